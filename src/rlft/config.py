@@ -1,0 +1,370 @@
+"""Run configuration: one pydantic model per section, YAML plus `a.b=value` overrides.
+
+Every field's default and meaning is declared once, here. The online presets (`grpo`, `dapo`,
+...) are resolved when the config is loaded, so the `config.yaml` saved in a run directory states
+every value the run used; nothing is changed at run time.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rlft.errors import ConfigError
+
+OFFLINE_METHODS = ("sft", "dpo", "reward_model")
+ONLINE_METHODS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "ppo")
+Method = Literal["sft", "dpo", "reward_model", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "ppo"]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class ModelConfig(Section):
+    path: str = Field(description="Local folder or Hugging Face hub id of a causal LM (or a previous run's `final/`).")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) when `path` is a hub id.")
+    tokenizer_path: str | None = Field(None, description="Tokenizer location when it differs from `path`.")
+    chat_template: str | None = Field(
+        None, description="Jinja chat template (inline, or a path to a .jinja file) replacing the tokenizer's own.")
+    allow_template_change: bool = Field(
+        False, description="Start from a checkpoint even if its chat template renders differently (not advised).")
+    dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Weight dtype; bf16/fp16 need hardware support.")
+    device: str = Field("auto", description="'auto' (CUDA if available, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint folder or hub repo.")
+    attn_implementation: str | None = Field(None, description="e.g. 'sdpa', 'eager', 'flash_attention_2'.")
+
+
+class LoraConfig(Section):
+    enabled: bool = Field(False, description="Train LoRA adapters (peft) instead of all weights.")
+    r: int = Field(16, ge=1, description="LoRA rank.")
+    alpha: float = Field(32, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Module names to adapt, or 'all-linear'.")
+
+
+class DataConfig(Section):
+    train: str = Field(description="Training data: a .jsonl/.json/.parquet file, a saved HF dataset folder, or 'hf:NAME'.")
+    eval: str | None = Field(None, description="Held-out data in the same format; used for eval loss / accuracy.")
+    split: str = Field("train", description="Split to read from an HF dataset given as 'hf:NAME'.")
+    eval_split: str | None = Field(None, description="Split for `eval` when it is 'hf:NAME'.")
+    max_prompt_length: int = Field(512, ge=1, description="Longest prompt in tokens; longer rows are reported.")
+    max_length: int = Field(1024, ge=2, description="Longest prompt+answer in tokens for offline methods.")
+    shuffle: bool = Field(True, description="Shuffle training rows each epoch (seeded).")
+    on_invalid: Literal["error", "drop"] = Field(
+        "error", description="Invalid rows: stop with a report (error) or drop them with the same report (drop).")
+
+
+class TrainingConfig(Section):
+    learning_rate: float = Field(1e-5, gt=0, description="Peak learning rate (AdamW).")
+    lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
+    warmup_ratio: float = Field(0.0, ge=0, le=1, description="Fraction of steps spent in linear warmup.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    max_grad_norm: float | None = Field(1.0, description="Clip the global gradient norm (None: no clipping).")
+    epochs: int = Field(1, ge=1, description="Passes over the data (offline methods).")
+    max_steps: int | None = Field(
+        None, ge=1, description="Optimizer steps (online: rollout steps; offline: cap on epochs x steps).")
+    batch_size: int = Field(16, ge=1, description="Examples per optimizer step (offline methods).")
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="Examples per forward pass; batch_size / micro_batch_size = gradient accumulation.")
+    eval_every: int | None = Field(None, ge=1, description="Evaluate every N steps (and always at the end).")
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice).")
+    max_consecutive_nonfinite: int = Field(
+        3, ge=1, description="Stop after this many consecutive steps skipped for a non-finite loss/grad norm.")
+
+
+class RolloutConfig(Section):
+    engine: Literal["hf", "vllm"] = Field("hf", description="Generation engine for rollouts.")
+    group_size: int = Field(8, description="Completions sampled per prompt (G); at least 2.")
+    prompts_per_step: int = Field(4, ge=1, description="Prompts per rollout step.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1.0: off).")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0: off).")
+    max_new_tokens: int = Field(256, ge=1, description="Longest completion; reaching it is finish reason 'length'.")
+    stop: list[str] = Field(default_factory=list, description="Extra stop strings (end-of-turn and EOS always stop).")
+    batch_size: int | None = Field(None, ge=1, description="Sequences generated per forward (default: all at once).")
+
+
+AdvantageName = Literal["group_norm", "group_mean", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"]
+
+
+class AlgorithmConfig(Section):
+    """Online RL parts. Fields left unset are filled from the preset named by `method`."""
+
+    advantage: AdvantageName | None = Field(None, description="Advantage estimator.")
+    std_floor: float | None = Field(None, ge=0, description="Group std is clamped to at least this before dividing.")
+    clip_low: float | None = Field(None, ge=0, description="Lower clip of the importance ratio: 1 - clip_low.")
+    clip_high: float | None = Field(None, ge=0, description="Upper clip: 1 + clip_high (DAPO clip-higher: 0.28).")
+    dual_clip: float | None = Field(None, description="Dual-clip bound c > 1 for negative advantages (None: off).")
+    kl_coef: float | None = Field(None, ge=0, description="KL coefficient beta (initial value if adaptive).")
+    kl_estimator: Literal["k1", "k2", "k3"] | None = Field(None, description="KL estimator (Schulman's k1/k2/k3).")
+    kl_in: Literal["loss", "reward"] | None = Field(None, description="KL as a loss term or as a per-token reward penalty.")
+    kl_target: float | None = Field(None, gt=0, description="Adaptive KL: target KL per token (None: fixed beta).")
+    kl_adapt_factor: float | None = Field(None, gt=1, description="Adaptive KL: multiply/divide beta by this.")
+    entropy_coef: float | None = Field(None, ge=0, description="Entropy bonus coefficient.")
+    loss_agg: Literal["token_mean", "sequence_mean", "constant"] | None = Field(
+        None, description="Loss aggregation over the global batch.")
+    loss_constant: int | None = Field(
+        None, ge=1, description="Normaliser for loss_agg='constant' (default rollout.max_new_tokens).")
+    epochs: int | None = Field(None, ge=1, description="Update epochs over each rollout batch (mu).")
+    minibatches: int | None = Field(None, ge=1, description="Optimizer steps per epoch per rollout batch.")
+    micro_batch_size: int | None = Field(None, ge=1, description="Sequences per forward/backward (accumulated).")
+    dynamic_sampling: bool | None = Field(None, description="DAPO: drop groups with all-equal rewards and refill.")
+    dynamic_sampling_max_rounds: int | None = Field(None, ge=1, description="Extra rollout rounds to refill groups.")
+    mask_truncated: bool | None = Field(None, description="Exclude completions that hit max_new_tokens from the loss.")
+    gamma: float | None = Field(None, ge=0, le=1, description="Discount for token-level returns (GAE / REINFORCE++).")
+    lam: float | None = Field(None, ge=0, le=1, description="GAE lambda.")
+
+
+_BASE_PRESET: dict[str, Any] = dict(
+    advantage="group_norm", std_floor=1e-4, clip_low=0.2, clip_high=0.2, dual_clip=None,
+    kl_coef=0.04, kl_estimator="k3", kl_in="loss", kl_target=None, kl_adapt_factor=1.5,
+    entropy_coef=0.0, loss_agg="token_mean", loss_constant=None, epochs=1, minibatches=1,
+    micro_batch_size=None, dynamic_sampling=False, dynamic_sampling_max_rounds=3, mask_truncated=False,
+    gamma=1.0, lam=0.95,
+)
+PRESETS: dict[str, dict[str, Any]] = {
+    "grpo": {},
+    # Dr. GRPO (arXiv:2503.20783): no std division, constant normaliser, no KL.
+    "dr_grpo": dict(advantage="group_mean", loss_agg="constant", kl_coef=0.0),
+    # DAPO (arXiv:2503.14476): clip-higher, dynamic sampling, token-mean, no KL.
+    "dapo": dict(clip_high=0.28, dynamic_sampling=True, kl_coef=0.0),
+    # RLOO (arXiv:2402.14740): leave-one-out baseline, KL as a reward penalty.
+    "rloo": dict(advantage="rloo", kl_in="reward", kl_estimator="k1", kl_coef=0.05),
+    # REINFORCE++ (arXiv:2501.03262): per-token KL in the reward, batch-normalised returns.
+    "reinforce_pp": dict(advantage="reinforce_pp", kl_in="reward", kl_estimator="k1", kl_coef=0.01),
+    # PPO with a critic and GAE; the sequence reward sits on the last valid token.
+    "ppo": dict(advantage="gae", kl_in="reward", kl_estimator="k1", kl_coef=0.05, epochs=2),
+}
+
+
+class RewardSpec(Section):
+    fn: str = Field(description="Built-in name (math, exact_match, regex, json_fields, ...) or 'module:function' / 'file.py:function'.")
+    name: str | None = Field(None, description="Component name in logs (default: derived from fn).")
+    weight: float = Field(1.0, description="Weight in the weighted sum of components.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for a built-in reward's factory.")
+
+
+class ScoringConfig(Section):
+    max_workers: int = Field(8, ge=1, description="Reward calls run concurrently (threads; sandboxes are processes).")
+    max_infra_error_rate: float = Field(
+        0.5, ge=0, le=1, description="Stop when a step's share of unverifiable (None) rewards exceeds this.")
+
+
+class LoggingConfig(Section):
+    log_every: int = Field(1, ge=1, description="Write metrics every N steps.")
+    sample_every: int = Field(10, ge=1, description="Save sample completions every N steps (online).")
+    num_samples: int = Field(4, ge=0, description="Completions saved per sampling step.")
+    progress: bool = Field(True, description="Show a console progress bar.")
+
+
+class CheckpointConfig(Section):
+    every: int | None = Field(None, ge=1, description="Save a checkpoint every N steps (always at the end).")
+    keep_last: int = Field(2, ge=1, description="Checkpoints kept (older ones removed after a new one is complete).")
+
+
+class EvalConfig(Section):
+    max_examples: int | None = Field(256, ge=1, description="Held-out rows used for generation metrics (None: all).")
+    max_new_tokens: int = Field(128, ge=1, description="Longest completion when evaluating.")
+    temperature: float = Field(0.0, ge=0, description="0: greedy; > 0: sampled.")
+    num_samples: int = Field(1, ge=1, description="Completions per prompt (k for pass@k).")
+    format_regex: str | None = Field(
+        None, description="A completion is format-compliant when it stops cleanly and fully matches this regex.")
+    correct_component: str | None = Field(
+        None, description="Reward component that means 'correct' for accuracy (default: the first).")
+    correct_threshold: float = Field(1.0, description="A sample is correct when that component is >= this.")
+    batch_size: int = Field(64, ge=1, description="Sequences generated per forward when evaluating.")
+
+
+class Config(Section):
+    method: Method = Field("sft", description="Training method; online presets choose algorithm parts.")
+    output_dir: str = Field(description="Run directory (created; resumable).")
+    seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
+    model: ModelConfig
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    data: DataConfig
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    rewards: list[RewardSpec] = Field(default_factory=list, description="Reward components (online methods).")
+    scoring: ScoringConfig = Field(default_factory=ScoringConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_preset(cls, values: Any) -> Any:
+        if not isinstance(values, dict):
+            return values
+        method = values.get("method", "sft")
+        algo = values.get("algorithm") or {}
+        if method in PRESETS and isinstance(algo, dict):
+            resolved = {**_BASE_PRESET, **PRESETS[method]}
+            resolved.update({k: v for k, v in algo.items() if v is not None})
+            values = {**values, "algorithm": resolved}
+        return values
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> "Config":
+        if self.is_online:
+            if self.rollout.group_size < 2:
+                raise ValueError(
+                    f"rollout.group_size is {self.rollout.group_size}; group-relative methods need at least 2 "
+                    "completions per prompt (8 or 16 is typical)")
+            if not self.rewards:
+                raise ValueError("rewards: an online method needs at least one reward component, e.g. "
+                                 "rewards: [{fn: math}]")
+            a = self.algorithm
+            if a.dual_clip is not None and a.dual_clip <= 1:
+                raise ValueError(f"algorithm.dual_clip must be > 1 (got {a.dual_clip}); null turns it off")
+            if a.loss_agg == "constant" and a.loss_constant is None:
+                self.algorithm.loss_constant = self.rollout.max_new_tokens
+        return self
+
+    @property
+    def is_online(self) -> bool:
+        return self.method in ONLINE_METHODS
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading, overrides and readable errors
+
+
+def load_config(source: str | Path | dict[str, Any], overrides: list[str] | None = None) -> Config:
+    """Load a config from a YAML file (or a dict) and apply `a.b=value` overrides."""
+    if isinstance(source, dict):
+        raw, origin = dict(source), "config"
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, data:, ...)")
+        origin = str(path)
+    for item in overrides or []:
+        apply_override(raw, item)
+    return validate_config(raw, origin)
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Set `a.b.c=value` in a nested dict; the value is parsed as YAML (numbers, lists, null)."""
+    key, sep, text = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not key.strip() or any(not p for p in parts):
+        raise ConfigError(f"bad override {item!r}: write it as section.key=value, e.g. training.learning_rate=1e-5")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    for depth, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            where = ".".join(parts[: depth + 1])
+            raise ConfigError(f"bad override {item!r}: {where} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def validate_config(raw: dict[str, Any], origin: str = "config") -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        lines = [_describe_error(err) for err in exc.errors()]
+        raise ConfigError(f"{origin}: invalid configuration\n" + "\n".join(f"  - {ln}" for ln in lines)) from None
+
+
+def _describe_error(err: dict[str, Any]) -> str:
+    loc = [str(p) for p in err["loc"]]
+    path = ".".join(loc) or "(top level)"
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        valid = _valid_keys(loc[:-1])
+        guess = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
+        hint = f" Did you mean '{'.'.join(loc[:-1] + [guess[0]])}'?" if guess else ""
+        return f"{path}: unknown key.{hint} Valid keys here: {', '.join(valid)}"
+    if kind == "missing":
+        return f"{path}: required field is missing"
+    if kind == "value_error":
+        return err["msg"].removeprefix("Value error, ")
+    expected = _EXPECTED.get(kind)
+    got = err.get("input")
+    if expected:
+        return f"{path}: expected {expected}, got {got!r} ({type(got).__name__})"
+    if kind == "literal_error":
+        return f"{path}: {err['msg'].lower()}, got {got!r}"
+    return f"{path}: {err['msg']} (got {got!r})"
+
+
+_EXPECTED = {
+    "float_parsing": "a number", "float_type": "a number", "int_parsing": "an integer", "int_type": "an integer",
+    "int_from_float": "an integer", "bool_parsing": "true or false", "bool_type": "true or false",
+    "string_type": "a string", "list_type": "a list", "dict_type": "a mapping", "model_type": "a mapping",
+    "model_attributes_type": "a mapping",
+}
+
+
+def _valid_keys(loc: list[str]) -> list[str]:
+    """Field names of the section at `loc` (list indices skipped)."""
+    model: type[BaseModel] = Config
+    for part in loc:
+        if part.isdigit():
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        model = _section_type(field.annotation)
+        if model is None:
+            return []
+    return list(model.model_fields)
+
+
+def _section_type(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        found = _section_type(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def dump_config(config: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+
+
+def config_reference() -> str:
+    """Every field with its default and description, for `rlft config-help`."""
+    out: list[str] = []
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            sub = _section_type(field.annotation)
+            key = f"{prefix}{name}"
+            if sub is not None and sub is not RewardSpec:
+                out.append(f"\n[{key}]" + (f"  {field.description}" if field.description else ""))
+                walk(sub, key + ".")
+                continue
+            default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
+            out.append(f"  {key} = {default}  # {field.description or ''}")
+            if sub is RewardSpec:
+                walk(sub, key + "[].")
+
+    walk(Config, "")
+    return "\n".join(out).strip()

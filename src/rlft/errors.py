@@ -1,0 +1,32 @@
+"""User-facing errors.
+
+Anything a user can fix (a config typo, a bad data row, a template mismatch) is raised as an
+`RlftError` subclass with a message that names the place and the fix. The CLI prints these
+without a traceback; everything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class RlftError(Exception):
+    """An error the user can fix; the message says where and how."""
+
+
+class ConfigError(RlftError):
+    """The config file or an override is invalid."""
+
+
+class DataError(RlftError):
+    """A dataset is unreadable or has invalid rows."""
+
+
+class TemplateMismatchError(RlftError):
+    """The chat template differs from the one a checkpoint was trained with."""
+
+
+class ResumeError(RlftError):
+    """A run cannot be resumed as asked."""
+
+
+class TrainingHalted(RlftError):
+    """Training stopped on purpose (non-finite guard, infra errors, zero steps left)."""
