@@ -1,0 +1,179 @@
+"""Load the policy (optionally with LoRA), its tokenizer and the reference model; export results."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from rlft.config import LoraConfig, ModelConfig
+from rlft.errors import RlftError
+from rlft.models.template import check_template, set_chat_template, write_template_record
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RlftError(f"model.device is {name!r} but no CUDA GPU is visible; use model.device=cpu")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if device.type == "cpu" and name == "fp16":
+        raise RlftError("model.dtype=fp16 needs a CUDA GPU (fp16 training on CPU is unsupported/slow); "
+                        "use model.dtype=bf16 or fp32 on CPU")
+    if device.type == "cuda" and name == "bf16" and not torch.cuda.is_bf16_supported():
+        raise RlftError(f"model.dtype=bf16 is not supported by {torch.cuda.get_device_name(device)}; "
+                        "use model.dtype=fp16 or fp32")
+    return DTYPES[name]
+
+
+_ROUND_TRIP_PROBE = "a  b\n\tc 12 + 3 = 15\n\n  x"
+
+
+def load_tokenizer(cfg: ModelConfig) -> Any:
+    """AutoTokenizer, guarded against classes that rewrite a custom tokenizer.json.
+
+    With transformers 5.x, AutoTokenizer may pick an architecture's own tokenizer class for a
+    custom `tokenizer.json` and silently drop whitespace; a round trip detects it and we fall back
+    to the generic fast tokenizer that reads tokenizer.json as is.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    source = cfg.tokenizer_path or cfg.path
+    kwargs = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise RlftError(f"could not load the tokenizer from {source!r}: {exc}\n"
+                        "Fix: point model.path (or model.tokenizer_path) at a folder with tokenizer files, "
+                        "or a hub id reachable from this machine") from None
+    ids = tokenizer(_ROUND_TRIP_PROBE, add_special_tokens=False)["input_ids"]
+    if tokenizer.decode(ids) != _ROUND_TRIP_PROBE and (Path(source) / "tokenizer.json").is_file():
+        log.warning("%s does not round-trip whitespace; loading tokenizer.json with the generic class",
+                    type(tokenizer).__name__)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(source, **kwargs)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    set_chat_template(tokenizer, cfg.chat_template)
+    return tokenizer
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # a transformers PreTrainedModel, or a peft PeftModel under LoRA
+    tokenizer: Any
+    device: torch.device
+    is_lora: bool
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def load_causal_lm(cfg: ModelConfig, device: torch.device) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
+                                  dtype=resolve_dtype(cfg.dtype, device))
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    try:
+        model = AutoModelForCausalLM.from_pretrained(cfg.path, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise RlftError(f"could not load a causal LM from {cfg.path!r}: {exc}\n"
+                        "Fix: model.path must be a local checkpoint folder or a reachable hub id") from None
+    return model.to(device)
+
+
+def load_policy(cfg: ModelConfig, lora: LoraConfig) -> LoadedModel:
+    device = resolve_device(cfg.device)
+    tokenizer = load_tokenizer(cfg)
+    check_template(cfg.path, tokenizer, cfg.allow_template_change)
+    model = load_causal_lm(cfg, device)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if lora.enabled:
+        model = apply_lora(model, lora)
+    return LoadedModel(model=model, tokenizer=tokenizer, device=device, is_lora=lora.enabled)
+
+
+def apply_lora(model: Any, lora: LoraConfig) -> Any:
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    peft_cfg = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                              target_modules=lora.target_modules, task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, peft_cfg)
+    except ValueError as exc:
+        raise RlftError(f"lora.target_modules: {exc}\nFix: use 'all-linear' or module names of this "
+                        "model (e.g. q_proj, v_proj)") from None
+
+
+class Reference:
+    """The frozen reference policy for KL terms.
+
+    Under LoRA it is the policy itself with adapters disabled, so it costs no memory; otherwise a
+    frozen copy made when training starts (the SFT snapshot the run began from).
+    """
+
+    def __init__(self, policy: LoadedModel):
+        self._policy = policy
+        if policy.is_lora:
+            self._frozen = None
+        else:
+            self._frozen = copy.deepcopy(policy.model).eval()
+            self._frozen.requires_grad_(False)
+
+    @contextmanager
+    def model(self) -> Iterator[Any]:
+        if self._frozen is not None:
+            yield self._frozen
+            return
+        peft_model = self._policy.model
+        was_training = peft_model.training
+        peft_model.eval()
+        try:
+            with peft_model.disable_adapter():
+                yield peft_model
+        finally:
+            peft_model.train(was_training)
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return None if self._frozen is None else self._frozen.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if state is not None and self._frozen is not None:
+            self._frozen.load_state_dict(state)
+
+
+def export_model(loaded: LoadedModel, out_dir: str | Path) -> Path:
+    """Write a merged Hugging Face checkpoint (and the peft adapter under LoRA) with tokenizer,
+    chat template and template record. Under LoRA the adapters are merged in place, so call this
+    when training is over; `loaded` then holds the merged model."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model = loaded.model
+    if loaded.is_lora:
+        model.save_pretrained(out / "adapter")
+        loaded.tokenizer.save_pretrained(out / "adapter")
+        model = model.merge_and_unload()
+        loaded.model, loaded.is_lora = model, False
+    if getattr(model, "is_gradient_checkpointing", False):
+        model.config.use_cache = True
+    model.save_pretrained(out)
+    loaded.tokenizer.save_pretrained(out)
+    write_template_record(out, loaded.tokenizer)
+    return out
