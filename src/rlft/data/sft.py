@@ -1,0 +1,106 @@
+"""SFT examples: chat (`messages`) or `prompt`/`completion` rows, rendered with the chat template,
+with the loss on assistant tokens only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlft.data.loading import Row
+from rlft.data.validate import RowError, check_messages, require_field
+from rlft.models.template import Messages, as_messages, encode_text, render
+
+
+@dataclass
+class SftExample:
+    where: str
+    input_ids: list[int]
+    target_mask: list[int]  # 1 where the token is a training target (assistant text + end of turn)
+    prompt_messages: Messages  # conversation up to the last assistant turn (for generation evals)
+    reference: str  # the last assistant message (for format / accuracy evals)
+    fields: dict[str, Any]  # the row's other fields (e.g. `answer`), for reward-based evals
+
+
+def row_messages(data: dict[str, Any]) -> Messages:
+    """The conversation of an SFT row, from `messages` or from `prompt` + `completion`."""
+    if "messages" in data:
+        messages = check_messages(require_field(data, "messages", list, "a chat row"))
+        if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+            raise RowError("no assistant message", "the loss is on assistant turns; add one")
+        return messages
+    if "prompt" not in data and "completion" not in data:
+        raise RowError("missing field 'messages' or 'prompt'/'completion'",
+                       f"row has keys {sorted(data)[:6]}")
+    prompt = require_field(data, "prompt", (str, list), "a prompt/completion row")
+    completion = require_field(data, "completion", str, "a prompt/completion row")
+    prompt_messages = check_messages(prompt, "prompt") if isinstance(prompt, list) else as_messages(prompt)
+    return prompt_messages + [{"role": "assistant", "content": completion}]
+
+
+def encode_sft(tokenizer: Any, messages: Messages, end_ids: list[int]) -> tuple[list[int], list[int]]:
+    """Token ids and target mask for a conversation.
+
+    Each assistant turn is the text the template adds between "prompt with generation header" and
+    "prompt + this turn". Pieces are tokenized separately so the prompt tokens are exactly the
+    ones the model sees at generation time; inside an assistant piece, tokens after the first
+    end-of-turn token (e.g. the newline after `<|im_end|>`) are template scaffolding, not targets.
+    """
+    ids: list[int] = []
+    mask: list[int] = []
+    done = ""
+    for i, msg in enumerate(messages):
+        if msg["role"] != "assistant":
+            continue
+        prefix = render(tokenizer, messages[:i], add_generation_prompt=True)
+        full = render(tokenizer, messages[: i + 1])
+        if not prefix.startswith(done) or not full.startswith(prefix):
+            raise RowError("chat template is not prefix-stable",
+                           "rendering a longer conversation changed earlier text; check the template")
+        context = encode_text(tokenizer, prefix[len(done):])
+        answer = encode_text(tokenizer, full[len(prefix):])
+        target = [1] * len(answer)
+        for j, tok in enumerate(answer):
+            if tok in end_ids:
+                target = [1] * (j + 1) + [0] * (len(answer) - j - 1)
+                break
+        ids += context + answer
+        mask += [0] * len(context) + target
+        done = full
+    return ids, mask
+
+
+def make_sft_encoder(tokenizer: Any, end_ids: list[int], max_length: int):
+    def encode(row: Row) -> SftExample:
+        messages = row_messages(row.data)
+        try:
+            ids, mask = encode_sft(tokenizer, messages, end_ids)
+        except RowError:
+            raise
+        except Exception as exc:  # jinja errors from user templates
+            raise RowError("chat template failed", f"{type(exc).__name__}: {exc}") from None
+        if len(ids) > max_length:
+            raise RowError(f"longer than data.max_length ({max_length} tokens)",
+                           f"{len(ids)} tokens; raise data.max_length or shorten the row")
+        if sum(mask) == 0:
+            raise RowError("no assistant tokens after templating")
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        fields = {k: v for k, v in row.data.items() if k not in ("messages", "prompt", "completion")}
+        return SftExample(row.where, ids, mask, messages[:last], messages[last]["content"], fields)
+
+    return encode
+
+
+def collate_sft(examples: list[SftExample], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example: input_ids, attention_mask, target_mask  # [B, T]"""
+    width = max(len(e.input_ids) for e in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
+    target_mask = torch.zeros((len(examples), width), dtype=torch.bool)
+    for i, e in enumerate(examples):
+        n = len(e.input_ids)
+        input_ids[i, :n] = torch.tensor(e.input_ids)
+        attention_mask[i, :n] = 1
+        target_mask[i, :n] = torch.tensor(e.target_mask, dtype=torch.bool)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "target_mask": target_mask}
