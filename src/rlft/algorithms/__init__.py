@@ -1,0 +1,36 @@
+"""Pure tensor maths for RL fine-tuning: no model, no I/O.
+
+Each family is a registry of functions behind one signature, so a trainer picks a variant by
+name from the config and never branches on it.
+"""
+
+from rlft.algorithms.advantages import ADVANTAGE_ESTIMATORS, sequence_scores, whiten, zero_variance_groups
+from rlft.algorithms.aggregation import AGGREGATIONS, aggregate
+from rlft.algorithms.kl import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    make_kl_controller,
+)
+from rlft.algorithms.policy_loss import POLICY_LOSSES
+from rlft.algorithms.preference import PREFERENCE_LOSSES, bradley_terry
+from rlft.algorithms.value import clipped_value_loss, discounted_returns, gae
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "POLICY_LOSSES",
+    "PREFERENCE_LOSSES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "aggregate",
+    "bradley_terry",
+    "clipped_value_loss",
+    "discounted_returns",
+    "gae",
+    "make_kl_controller",
+    "sequence_scores",
+    "whiten",
+    "zero_variance_groups",
+]

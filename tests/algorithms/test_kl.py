@@ -1,0 +1,106 @@
+"""KL estimators and KL coefficient controllers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlft.algorithms.kl import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    make_kl_controller,
+)
+
+F64 = dict(dtype=torch.float64)
+
+
+def test_estimators_hand():
+    logp = torch.tensor([-1.0, -2.0, -0.5], **F64)
+    ref = torch.tensor([-2.0, -1.0, -0.5], **F64)
+    # d = logp - ref = [1, -1, 0]
+    torch.testing.assert_close(KL_ESTIMATORS["k1"](logp, ref), torch.tensor([1.0, -1.0, 0.0], **F64))
+    # k2 = 0.5 d^2 = [0.5, 0.5, 0]
+    torch.testing.assert_close(KL_ESTIMATORS["k2"](logp, ref), torch.tensor([0.5, 0.5, 0.0], **F64))
+    # k3 = e^(-d) + d - 1: e^-1 + 1 - 1 = 0.367879; e^1 - 1 - 1 = 0.718282; 0
+    torch.testing.assert_close(KL_ESTIMATORS["k3"](logp, ref), torch.tensor([0.36787944, 0.71828183, 0.0], **F64),
+                               rtol=1e-7, atol=1e-12)
+
+
+def test_k2_k3_nonnegative():
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(64, 33, generator=g) * 12
+    ref = -torch.rand(64, 33, generator=g) * 12
+    assert (KL_ESTIMATORS["k3"](logp, ref) >= 0).all()
+    assert (KL_ESTIMATORS["k2"](logp, ref) >= 0).all()
+    assert (KL_ESTIMATORS["k1"](logp, ref) < 0).any()  # k1 alone is not: why k3 exists
+
+
+def test_expectations_match_exact_kl():
+    # Oracle: under x ~ pi, E[k1] = E[k3] = KL(pi || ref) exactly; sum over the whole vocabulary.
+    g = torch.Generator().manual_seed(1)
+    logp = torch.log_softmax(torch.randn(5, 40, generator=g, **F64), -1)  # 5 distributions over 40 tokens
+    ref = torch.log_softmax(torch.randn(5, 40, generator=g, **F64), -1)
+    p = logp.exp()
+    exact = (p * (logp - ref)).sum(-1)
+    for name in ("k1", "k3"):
+        torch.testing.assert_close((p * KL_ESTIMATORS[name](logp, ref)).sum(-1), exact, rtol=1e-10, atol=1e-12)
+    # k2 is biased, but matches the KL to second order when the two distributions are close
+    close = torch.log_softmax(logp + 1e-3 * torch.randn(5, 40, generator=g, **F64), -1)
+    pc = close.exp()
+    kl_close = (pc * (close - logp)).sum(-1)
+    torch.testing.assert_close((pc * KL_ESTIMATORS["k2"](close, logp)).sum(-1), kl_close, rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("name", ["k1", "k2", "k3"])
+def test_estimators_invariances(name):
+    g = torch.Generator().manual_seed(2)
+    logp, ref = -torch.rand(6, 10, generator=g, **F64) * 5, -torch.rand(6, 10, generator=g, **F64) * 5
+    fn = KL_ESTIMATORS[name]
+    full = fn(logp, ref)
+    # elementwise: a batch split gives the same per-token values
+    torch.testing.assert_close(torch.cat([fn(logp[:2], ref[:2]), fn(logp[2:], ref[2:])]), full, rtol=0, atol=0)
+    # depends only on logp - ref
+    torch.testing.assert_close(fn(logp - 3.0, ref - 3.0), full, rtol=1e-12, atol=1e-12)
+    # matches the formula written out per element
+    formula = {"k1": lambda d: d, "k2": lambda d: 0.5 * d * d, "k3": lambda d: math.exp(-d) + d - 1}[name]
+    for (i, t) in [(0, 0), (3, 7), (5, 9)]:
+        d = float(logp[i, t] - ref[i, t])
+        assert float(full[i, t]) == pytest.approx(formula(d), rel=1e-12, abs=1e-15)
+
+
+def test_adaptive_controller_up_down_unchanged():
+    # beta 0.1, target 0.02: band is [0.01, 0.03]
+    c = AdaptiveKLController(0.1, target=0.02, factor=1.5)
+    assert c.update(0.05) == pytest.approx(0.15)  # 0.05 > 0.03 -> 0.1 * 1.5
+    assert c.update(0.02) == pytest.approx(0.15)  # inside -> unchanged
+    assert c.update(0.03) == pytest.approx(0.15)  # exactly 1.5 x target is not above it
+    assert c.update(0.005) == pytest.approx(0.1)  # 0.005 < 0.01 -> 0.15 / 1.5
+    assert c.update(0.001) == pytest.approx(0.1 / 1.5)
+    assert c.value == pytest.approx(0.1 / 1.5)
+
+
+def test_controller_state_roundtrip_and_factory():
+    c = make_kl_controller(0.2, target=0.1, factor=2.0)
+    assert isinstance(c, AdaptiveKLController)
+    c.update(1.0)  # 0.2 -> 0.4
+    fresh = make_kl_controller(0.2, target=0.1, factor=2.0)
+    fresh.load_state_dict(c.state_dict())
+    assert fresh.value == pytest.approx(0.4)
+    assert fresh.update(0.0) == pytest.approx(0.2)
+
+    f = make_kl_controller(0.05)
+    assert isinstance(f, FixedKLController)
+    assert f.update(100.0) == 0.05 and f.update(0.0) == 0.05
+    f2 = FixedKLController(0.0)
+    f2.load_state_dict(f.state_dict())
+    assert f2.value == 0.05
+
+
+def test_controller_rejects_bad_settings():
+    with pytest.raises(ValueError, match="factor"):
+        AdaptiveKLController(0.1, target=0.1, factor=1.0)
+    with pytest.raises(ValueError, match="target"):
+        AdaptiveKLController(0.1, target=0.0)
