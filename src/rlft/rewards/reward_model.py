@@ -1,0 +1,104 @@
+"""The `reward_model` reward: a sequence-classification model's score of prompt + completion.
+
+- Rendering: with the tokenizer's chat template, [user: prompt, assistant: completion] rendered
+  as the RM saw its training pairs; without one, prompt + completion as plain text (and the
+  tokenizer adds its own special tokens).
+- Batched: `fn.batch` scores `batch_size` samples per forward pass (the scorer calls it once per
+  step instead of once per sample). Truncation keeps the *end* of long inputs: the score is read
+  at the last token, so the completion must survive.
+- Length normalisation (optional, `length_coef` > 0): reward models favour longer answers (seed
+  002 §3.2), so the score becomes `score - length_coef * ln(1 + completion tokens)`. A log keeps
+  doubling the length equally costly at any length, and a subtraction, unlike a division, cannot
+  make a long bad answer (negative score) look better than a short one.
+- `clip` bounds the result to [-clip, clip] (rewards in a fixed range).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+from rlft.errors import RlftError
+from rlft.rewards.base import RewardFn, register_reward
+
+_ROUND_TRIP_PROBE = "a  b\n\tc 12 + 3 = 15"
+
+
+def _load(path: str, device: str, dtype: str):
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerFast
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if dtype not in dtypes:
+        raise RlftError(f"reward_model: dtype must be one of {sorted(dtypes)}, got {dtype!r}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtypes[dtype])
+    except (OSError, ValueError) as exc:
+        raise RlftError(f"reward_model: cannot load a sequence-classification model from {path!r}: {exc}") from None
+    ids = tokenizer(_ROUND_TRIP_PROBE, add_special_tokens=False)["input_ids"]
+    if tokenizer.decode(ids) != _ROUND_TRIP_PROBE:  # see rlft.models.loading.load_tokenizer
+        try:
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+        except (OSError, ValueError):
+            pass
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if model.config.pad_token_id is None:  # the head finds the last real token through it
+        model.config.pad_token_id = tokenizer.pad_token_id
+    tokenizer.truncation_side = "left"
+    return model.to(device).eval(), tokenizer
+
+
+def render(tokenizer: Any, prompt: Any, completion: str) -> tuple[str, bool]:
+    """(text, uses_template). A prompt may be a string or a list of chat messages."""
+    if getattr(tokenizer, "chat_template", None):
+        from rlft.models.template import as_messages
+
+        messages = as_messages(prompt) + [{"role": "assistant", "content": completion}]
+        return tokenizer.apply_chat_template(messages, tokenize=False), True
+    text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+    return text + completion, False
+
+
+@register_reward("reward_model")
+def reward_model(path: str, batch_size: int = 8, max_length: int = 2048, device: str = "cpu",
+                 dtype: str = "fp32", label: int = 0, length_coef: float = 0.0,
+                 clip: float | None = None) -> RewardFn:
+    """Score with a sequence-classification reward model at `path` (logit `label`)."""
+    import torch
+
+    if batch_size < 1:
+        raise RlftError(f"reward_model: batch_size must be >= 1, got {batch_size}")
+    model, tokenizer = _load(path, device, dtype)
+    if not 0 <= label < model.config.num_labels:
+        raise RlftError(f"reward_model: label {label} out of range; the model has {model.config.num_labels} labels")
+    lock = threading.Lock()  # one forward at a time if called per sample from the scorer's threads
+
+    def finish(score: float, completion: str) -> float:
+        if length_coef:
+            n = len(tokenizer(completion, add_special_tokens=False)["input_ids"])
+            score -= length_coef * math.log1p(n)
+        if clip is not None:
+            score = max(-clip, min(clip, score))
+        return score
+
+    def batch(prompts: list[Any], completions: list[str], rows: list[dict[str, Any]]) -> list[float]:
+        scores: list[float] = []
+        for start in range(0, len(completions), batch_size):
+            chunk = [render(tokenizer, p, c) for p, c in zip(prompts[start:start + batch_size],
+                                                              completions[start:start + batch_size])]
+            # Every rendered text in a chunk has the same template state, so one flag suffices.
+            enc = tokenizer([t for t, _ in chunk], add_special_tokens=not chunk[0][1], padding=True,
+                            truncation=True, max_length=max_length, return_tensors="pt").to(device)
+            with lock, torch.no_grad():
+                logits = model(**enc).logits  # (B, num_labels)
+            scores += logits[:, label].float().tolist()
+        return [finish(s, c) for s, c in zip(scores, completions)]
+
+    def reward(prompt: Any, completion: str, **row: Any) -> float:
+        return batch([prompt], [completion], [row])[0]
+
+    reward.batch = batch
+    return reward

@@ -1,0 +1,110 @@
+"""Rule rewards: exact match, regex / format, JSON with required fields.
+
+Each built-in is a factory (its config `args` are the factory's arguments) returning a function
+with the reward contract of `rlft.rewards.base`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from rlft.rewards.base import RewardFn, register_reward
+
+
+@register_reward("exact_match")
+def exact_match(field: str = "answer", strip: bool = True, case_sensitive: bool = True) -> RewardFn:
+    """1.0 when the completion equals row[field], else 0.0.
+
+    >>> exact_match()("q", " 42 ", answer="42")
+    1.0
+    """
+
+    def norm(s: str) -> str:
+        s = s.strip() if strip else s
+        return s if case_sensitive else s.lower()
+
+    def reward(prompt: str, completion: str, **row: Any) -> float:
+        return float(norm(completion) == norm(str(row[field])))
+
+    return reward
+
+
+@register_reward("regex")
+def regex(pattern: str, mode: str = "search", flags: str = "") -> RewardFn:
+    """1.0 when the completion matches `pattern` (mode: search | fullmatch), else 0.0.
+
+    A format check: use it next to a content check, never alone (seed 002 §3.3: rules that only
+    check form get hacked).
+
+    >>> regex(r"The answer is \\d+\\.", mode="fullmatch")("q", "The answer is 7.")
+    1.0
+    """
+    if mode not in ("search", "fullmatch"):
+        raise ValueError(f"regex mode must be 'search' or 'fullmatch', got {mode!r}")
+    compiled = re.compile(pattern, _flags(flags))
+    match = compiled.fullmatch if mode == "fullmatch" else compiled.search
+
+    def reward(prompt: str, completion: str, **row: Any) -> float:
+        return float(match(completion.strip()) is not None)
+
+    return reward
+
+
+def _flags(letters: str) -> int:
+    table = {"i": re.IGNORECASE, "m": re.MULTILINE, "s": re.DOTALL}
+    out = 0
+    for ch in letters:
+        if ch not in table:
+            raise ValueError(f"regex flags: unknown flag {ch!r} (use i, m, s)")
+        out |= table[ch]
+    return out
+
+
+_FENCE = re.compile(r"```(?:json)?\s*\n(.*?)```", re.DOTALL)
+
+
+def extract_json(text: str) -> Any | None:
+    """The JSON value in a completion: a ```json fence, else the outermost {...} span."""
+    candidates = [m.group(1) for m in _FENCE.finditer(text)]
+    start, end = text.find("{"), text.rfind("}")
+    if start != -1 and end > start:
+        candidates.append(text[start:end + 1])
+    candidates.append(text.strip())
+    for cand in candidates:
+        try:
+            return json.loads(cand)
+        except (json.JSONDecodeError, ValueError):
+            continue
+    return None
+
+
+@register_reward("json_fields")
+def json_fields(required: list[str] | None = None, field: str | None = None, check_values: bool = False) -> RewardFn:
+    """Graded JSON reward: 0 if no JSON object parses; else the fraction of required fields present
+    (and, with check_values, equal to row[field][name]).
+
+    `required` comes from the args, or per row from row[field] (a dict of expected values).
+
+    >>> json_fields(required=["name", "age"])("q", '{"name": "x"}')
+    0.5
+    """
+
+    def reward(prompt: str, completion: str, **row: Any) -> float:
+        obj = extract_json(completion)
+        if not isinstance(obj, dict):
+            return 0.0
+        expected: dict[str, Any] = {}
+        if field is not None:
+            expected = dict(row.get(field) or {})
+        names = list(required or expected)
+        if not names:
+            return 1.0
+        hits = 0
+        for name in names:
+            if name in obj and (not check_values or name not in expected or obj[name] == expected[name]):
+                hits += 1
+        return hits / len(names)
+
+    return reward
