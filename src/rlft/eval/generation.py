@@ -1,0 +1,85 @@
+"""Generation-based evaluation: accuracy, mean reward, pass@k, format compliance, lengths."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from rlft.config import EvalConfig
+from rlft.data.prompts import PromptExample
+from rlft.rewards.base import RewardScorer
+from rlft.rollout.base import Completion, Engine, SamplingParams
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al. 2021, arXiv:2107.03374):
+    1 - C(n-c, k) / C(n, k), computed as a stable product.
+
+    >>> round(pass_at_k(4, 1, 2), 4)  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    0.5
+    """
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples per prompt, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+@dataclass
+class EvalResult:
+    metrics: dict[str, float]
+    records: list[dict[str, Any]]
+
+
+def is_format_compliant(completion: Completion, pattern: re.Pattern | None) -> bool:
+    if completion.finish_reason != "stop":
+        return False
+    return pattern is None or pattern.fullmatch(completion.text.strip()) is not None
+
+
+def evaluate_prompts(engine: Engine, examples: Sequence[PromptExample], cfg: EvalConfig,
+                     scorer: RewardScorer | None = None, prefix: str = "eval/") -> EvalResult:
+    examples = list(examples)[: cfg.max_examples] if cfg.max_examples else list(examples)
+    params = SamplingParams(n=cfg.num_samples, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
+    completions = engine.generate([e.prompt_ids for e in examples], params)
+    pattern = re.compile(cfg.format_regex) if cfg.format_regex else None
+    fmt = [is_format_compliant(c, pattern) for c in completions]
+    lengths = [len(c.completion_ids) for c in completions]
+    m: dict[str, float] = {
+        f"{prefix}format_compliance": sum(fmt) / len(fmt),
+        f"{prefix}length_mean": sum(lengths) / len(lengths),
+        f"{prefix}truncation_rate": sum(c.finish_reason == "length" for c in completions) / len(completions),
+        f"{prefix}num_prompts": float(len(examples)),
+    }
+    records = [{"where": examples[c.prompt_index].where, "prompt": examples[c.prompt_index].prompt_text,
+                "completion": c.text, "finish_reason": c.finish_reason, "format_ok": ok}
+               for c, ok in zip(completions, fmt)]
+    if scorer is not None:
+        _add_reward_metrics(m, records, examples, completions, scorer, cfg, prefix)
+    return EvalResult(m, records)
+
+
+def _add_reward_metrics(m, records, examples, completions, scorer, cfg, prefix) -> None:
+    rows = [dict(examples[c.prompt_index].fields, finish_reason=c.finish_reason,
+                 completion_tokens=len(c.completion_ids), max_new_tokens=cfg.max_new_tokens) for c in completions]
+    scores = scorer.score([examples[c.prompt_index].prompt_text for c in completions],
+                          [c.text for c in completions], rows)
+    name = cfg.correct_component or scorer.components[0][0]
+    if name not in scores.components:
+        raise ValueError(f"eval.correct_component {name!r} is not a reward component "
+                         f"({', '.join(scores.components)})")
+    correct = [v is not None and v >= cfg.correct_threshold for v in scores.components[name]]
+    valid = [t for t in scores.total if t is not None]
+    m[f"{prefix}reward_mean"] = sum(valid) / len(valid) if valid else float("nan")
+    m[f"{prefix}accuracy"] = sum(correct) / len(correct)
+    k = cfg.num_samples
+    if k > 1:
+        per_prompt: dict[int, list[bool]] = {}
+        for c, ok in zip(completions, correct):
+            per_prompt.setdefault(c.prompt_index, []).append(ok)
+        for kk in sorted({1, k}):
+            m[f"{prefix}pass@{kk}"] = sum(pass_at_k(len(v), sum(v), kk) for v in per_prompt.values()) / len(per_prompt)
+    for rec, total, ok in zip(records, scores.total, correct):
+        rec["reward"], rec["correct"] = total, ok

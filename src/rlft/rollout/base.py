@@ -1,0 +1,38 @@
+"""The rollout contract: every engine returns `Completion`s, so the loop never cares which ran."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol, Sequence
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    completion_ids: list[int]  # the sampled ids, used for training as they are (never re-encoded)
+    text: str  # decoded completion without special tokens
+    logprobs: list[float]  # per completion token, under the (temperature-scaled) sampling distribution
+    finish_reason: FinishReason  # 'stop': end-of-turn / EOS / stop string; 'length': max_new_tokens
+    prompt_index: int  # which prompt of the request this completion answers
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1  # completions per prompt
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()
+
+
+class Engine(Protocol):
+    def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[Completion]:
+        """n completions per prompt, grouped by prompt: [p0 c0..c(n-1), p1 c0.., ...]."""
+        ...
+
+    def sync_weights(self) -> None:
+        """Make the engine sample from the trainer's current weights (a no-op when shared)."""
+        ...

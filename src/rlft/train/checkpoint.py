@@ -1,0 +1,196 @@
+"""Crash-safe checkpoints.
+
+Layout: `checkpoints/step-00000012/{model/ | adapter/, trainer_state.pt, manifest.json, COMPLETE}`
+and a `checkpoints/latest` file naming the newest complete one.
+
+A checkpoint is written into a temp folder beside its final name, every file fsynced, then the
+manifest (SHA-256 of every file) and a `COMPLETE` marker, then the folder is renamed and `latest`
+updated. A kill at any moment leaves either the old state or the new one. The loader verifies the
+marker and the hashes and skips (and reports) anything incomplete or corrupt. Old checkpoints are
+removed only after the new one is complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlft.models.template import write_template_record
+
+log = logging.getLogger(__name__)
+
+PREFIX = "step-"
+MARKER = "COMPLETE"
+STATE_FILE = "trainer_state.pt"
+FAULT_ENV = "RLFT_FAULT"  # "<stage>@<step>": SIGKILL this process at that stage (crash tests)
+
+
+def fault_point(stage: str, step: int) -> None:
+    if os.environ.get(FAULT_ENV) == f"{stage}@{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def package_versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for name in ("rlft", "torch", "transformers", "peft"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(root)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_model_weights(model: Any, is_lora: bool, directory: Path) -> None:
+    """Adapter (peft format) under LoRA, else the full model (transformers format)."""
+    model.save_pretrained(directory / ("adapter" if is_lora else "model"))
+
+
+def load_model_weights(model: Any, is_lora: bool, directory: Path) -> None:
+    from safetensors.torch import load_file
+
+    sub = directory / ("adapter" if is_lora else "model")
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(sub.glob("*.safetensors")):
+        state.update(load_file(file))
+    if is_lora:
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, state)
+        unexpected = getattr(result, "unexpected_keys", [])
+        if unexpected:
+            raise RuntimeError(f"{sub}: adapter keys do not match the model: {unexpected[:3]}")
+        return
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    loaded_ptrs = {p.data_ptr() for n, p in model.named_parameters() if n in state}
+    params = dict(model.named_parameters())
+    really_missing = [k for k in missing if k in params and params[k].data_ptr() not in loaded_ptrs]
+    if unexpected or really_missing:
+        raise RuntimeError(f"{sub}: checkpoint does not match the model (missing {really_missing[:3]}, "
+                           f"unexpected {unexpected[:3]})")
+
+
+def save_checkpoint(checkpoints: Path, step: int, model: Any, is_lora: bool, tokenizer: Any,
+                    trainer_state: dict[str, Any], keep_last: int, protect: set[str] | None = None) -> Path:
+    name = f"{PREFIX}{step:08d}"
+    final = checkpoints / name
+    tmp = checkpoints / f".tmp-{name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    save_model_weights(model, is_lora, tmp)
+    write_template_record(tmp, tokenizer)
+    fault_point("ckpt-model", step)
+    torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / STATE_FILE)
+    fault_point("ckpt-state", step)
+    files = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+    manifest = {"step": step, "created": time.time(), "versions": package_versions(), "files": files}
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    (tmp / MARKER).write_text("ok\n")
+    _fsync_tree(tmp)
+    fault_point("ckpt-rename", step)
+    if final.exists():  # a stale one from a run resumed at an earlier step
+        shutil.rmtree(final)
+    tmp.rename(final)
+    _fsync_dir(checkpoints)
+    latest_tmp = checkpoints / "latest.tmp"
+    latest_tmp.write_text(name + "\n")
+    os.replace(latest_tmp, checkpoints / "latest")
+    _fsync_dir(checkpoints)
+    _prune(checkpoints, keep_last, protect or set())
+    return final
+
+
+def _prune(checkpoints: Path, keep_last: int, protect: set[str]) -> None:
+    complete = sorted(p for p in checkpoints.glob(f"{PREFIX}*") if (p / MARKER).exists())
+    for old in complete[:-keep_last]:
+        if old.name not in protect:
+            shutil.rmtree(old, ignore_errors=True)
+    for stale in checkpoints.glob(".tmp-*"):  # left by a crash during an earlier save
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None if the checkpoint is complete and intact, else the reason it is not."""
+    if not (path / MARKER).exists():
+        return "incomplete (no COMPLETE marker)"
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return "unreadable manifest"
+    for rel, digest in manifest["files"].items():
+        file = path / rel
+        if not file.is_file():
+            return f"missing file {rel}"
+        if _sha256(file) != digest:
+            return f"corrupt file {rel} (SHA-256 mismatch)"
+    return None
+
+
+def find_latest(checkpoints: Path) -> Path | None:
+    """Newest complete, intact checkpoint; incomplete or corrupt ones are reported and skipped."""
+    if not checkpoints.is_dir():
+        return None
+    candidates = sorted((p for p in checkpoints.glob(f"{PREFIX}*") if p.is_dir()), reverse=True)
+    for path in candidates:
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path
+        log.warning("skipping checkpoint %s: %s", path, problem)
+    return None
+
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    # Our own file (optimizer state, RNG tuples with numpy arrays): not a weights-only pickle.
+    return torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)

@@ -1,0 +1,72 @@
+"""Forward passes that return only what the losses need.
+
+Logits are computed for the completion positions only (`logits_to_keep`), and log-softmax is
+taken for the sampled token alone, in row chunks, so a `[B, T, V]` float32 tensor is never
+materialised twice (the vocabulary of a real model is 150k wide).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that ignore left padding, so a padded row computes what the unpadded row would."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def forward_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int = 0) -> torch.Tensor:
+    """Logits `[B, keep, V]` for the last `keep` positions (all positions when keep == 0)."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask),
+                use_cache=False, logits_to_keep=keep)
+    return out.logits
+
+
+def selected_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                      chunk_rows: int = 16) -> torch.Tensor:
+    """log softmax(logits / temperature)[target] per position: `[B, T, V], [B, T] -> [B, T]` float32."""
+    out = []
+    for start in range(0, logits.shape[0], chunk_rows):
+        block = logits[start:start + chunk_rows].float()
+        if temperature != 1.0:
+            block = block / temperature
+        picked = block.gather(-1, targets[start:start + chunk_rows, :, None]).squeeze(-1)
+        out.append(picked - torch.logsumexp(block, dim=-1))
+    return torch.cat(out)
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, chunk_rows: int = 16) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) per position: `[B, T, V] -> [B, T]` float32."""
+    out = []
+    for start in range(0, logits.shape[0], chunk_rows):
+        block = logits[start:start + chunk_rows].float()
+        if temperature != 1.0:
+            block = block / temperature
+        logp = F.log_softmax(block, dim=-1)
+        out.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(out)
+
+
+def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
+                        temperature: float = 1.0, entropy: str = "none"):
+    """Log-probs of the last `completion_len` tokens of each row (the completion region of a
+    `[left-padded prompt | right-padded completion]` batch): `[B, Tc]`, plus the entropy per
+    position when `entropy` is 'metric' (no gradient) or 'grad' (for an entropy bonus)."""
+    logits = forward_logits(model, input_ids, attention_mask, keep=completion_len + 1)[:, :-1]  # [B, Tc, V]
+    targets = input_ids[:, -completion_len:]
+    logprobs = selected_logprobs(logits, targets, temperature)
+    if entropy == "none":
+        return logprobs, None
+    if entropy == "grad":
+        return logprobs, entropy_from_logits(logits, temperature)
+    with torch.no_grad():
+        return logprobs, entropy_from_logits(logits.detach(), temperature)
+
+
+def sft_token_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
+    """Summed NLL of the target tokens (`target_mask[:, t]` marks token t as a target)."""
+    logits = forward_logits(model, input_ids, attention_mask)  # [B, T, V]
+    mask = target_mask[:, 1:]
+    picked = logits[:, :-1][mask]  # [n_targets, V]: only target rows are upcast
+    return F.cross_entropy(picked.float(), input_ids[:, 1:][mask], reduction="sum")

@@ -1,0 +1,207 @@
+"""What both training loops share: the run directory, the policy and its optimizer, the step
+counter, the non-finite guard, checkpoints and resume, signals, the final export."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import signal
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import yaml
+
+from rlft.config import Config
+from rlft.errors import ResumeError, TrainingHalted
+from rlft.models.loading import LoadedModel, export_model, load_policy
+from rlft.models.template import check_template
+from rlft.monitor.console import ProgressDisplay
+from rlft.train import checkpoint as ckpt
+from rlft.train.optim import build_optimizer, build_scheduler, clip_gradients
+from rlft.train.rundir import RunDir
+
+log = logging.getLogger(__name__)
+
+# Settings that may differ when an existing run directory is continued.
+_MAY_CHANGE = {"training.max_steps", "training.epochs", "checkpoint", "logging", "training.num_threads",
+               "training.eval_every", "output_dir"}
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class TrainingSession:
+    def __init__(self, config: Config, policy: LoadedModel | None = None):
+        self.config = config
+        self.run = RunDir(config.output_dir)
+        if config.training.num_threads:
+            torch.set_num_threads(config.training.num_threads)
+        seed_everything(config.seed)
+        self._check_run_dir()
+        self.policy = policy or load_policy(config.model, config.lora)
+        self.params = self.policy.trainable_parameters()
+        self.optimizer = build_optimizer(self.params, config.training)
+        self.scheduler = None
+        self.total_steps = 0
+        self.step = 0
+        self.nonfinite_total = 0
+        self.nonfinite_streak = 0
+        self.stop_signal: str | None = None
+        self.display: ProgressDisplay | None = None
+        self.extra_state: Callable[[], dict[str, Any]] = dict  # set by the loop: its own resumable state
+        self._old_handlers: dict[int, Any] = {}
+
+    # -- run directory ------------------------------------------------------------------------
+    def _check_run_dir(self) -> None:
+        if self.run.config_path.exists():
+            saved = yaml.safe_load(self.run.config_path.read_text())
+            now = self.config.model_dump(mode="json")
+            diffs = [k for k in _flat_diff(saved, now) if not any(k == p or k.startswith(p + ".") for p in _MAY_CHANGE)]
+            if diffs:
+                raise ResumeError(
+                    f"{self.run.root} already holds a run with a different config ({', '.join(diffs[:5])}).\n"
+                    f"Fix: continue it with `rlft train --resume {self.run.root}`, or choose another output_dir")
+        self.run.create(self.config)
+
+    # -- optimisation -------------------------------------------------------------------------
+    def start(self, total_steps: int, keys: list[str], title: str, updates_per_step: int = 1) -> None:
+        self.total_steps = total_steps
+        self.scheduler = build_scheduler(self.optimizer, self.config.training, total_steps * updates_per_step)
+        self._install_signal_handlers()
+        self.display = ProgressDisplay(total_steps, self.step, keys, self.config.logging.progress, title)
+
+    def optimizer_step(self, loss_value: float) -> tuple[bool, float]:
+        """Clip and step, unless the loss or gradient norm is non-finite: then the update is skipped
+        (parameters, optimizer and scheduler unchanged) and counted. The loop owns `self.step`."""
+        grad_norm = float(clip_gradients(self.params, self.config.training.max_grad_norm))
+        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.nonfinite_total += 1
+            self.nonfinite_streak += 1
+            self.print(f"[yellow]warning: non-finite loss ({loss_value}) or grad norm ({grad_norm}); "
+                       f"step {self.step + 1} skipped ({self.nonfinite_streak} in a row)")
+            if self.nonfinite_streak >= self.config.training.max_consecutive_nonfinite:
+                path = self.save_checkpoint()
+                raise TrainingHalted(
+                    f"stopped: {self.nonfinite_streak} consecutive steps had a non-finite loss or gradient norm. "
+                    f"Last good state saved to {path}.\nFix: lower training.learning_rate, keep "
+                    "training.max_grad_norm on, or use fp32 (model.dtype=fp32)")
+            return False, grad_norm
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_streak = 0
+        return True, grad_norm
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def trainer_state(self) -> dict[str, Any]:
+        """The session's state plus the loop's own (data position, KL controller, sampler...)."""
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "nonfinite_total": self.nonfinite_total, "nonfinite_streak": self.nonfinite_streak,
+                "config": self.config.model_dump(mode="json"), **self.extra_state()}
+
+    def save_checkpoint(self) -> Path:
+        return ckpt.save_checkpoint(self.run.checkpoints, self.step, self.policy.model, self.policy.is_lora,
+                                    self.policy.tokenizer, self.trainer_state(), self.config.checkpoint.keep_last)
+
+    def resume(self) -> dict[str, Any] | None:
+        """Load the newest intact checkpoint; returns its trainer state (None: fresh start)."""
+        path = ckpt.find_latest(self.run.checkpoints)
+        if path is None:
+            self.run.truncate_logs(0)  # logs of an attempt that never reached a checkpoint
+            return None
+        check_template(path, self.policy.tokenizer, self.config.model.allow_template_change)
+        ckpt.load_model_weights(self.policy.model, self.policy.is_lora, path)
+        state = ckpt.load_trainer_state(path)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = state["step"]
+        self.nonfinite_total = state["nonfinite_total"]
+        self.nonfinite_streak = state["nonfinite_streak"]
+        ckpt.set_rng_state(state["rng"])
+        self.run.truncate_logs(self.step)
+        if self.step >= self.total_steps:
+            raise TrainingHalted(
+                f"nothing to train: {path} is at step {self.step} and the run has {self.total_steps} steps.\n"
+                "Fix: raise training.max_steps / training.epochs to continue training")
+        self.print(f"resumed from {path} (step {self.step} of {self.total_steps})")
+        if self.display is not None:
+            self.display.update(self.step, {})
+        return state
+
+    def checkpoint_due(self) -> bool:
+        every = self.config.checkpoint.every
+        return bool(every) and self.step % every == 0 and self.step < self.total_steps
+
+    # -- signals ------------------------------------------------------------------------------
+    def _install_signal_handlers(self) -> None:
+        def handler(signum, frame):
+            if self.stop_signal is not None:  # a second Ctrl-C: stop now
+                raise KeyboardInterrupt
+            self.stop_signal = signal.Signals(signum).name
+            self.print(f"[yellow]{self.stop_signal}: finishing this step, then saving a checkpoint")
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old_handlers[sig] = signal.signal(sig, handler)
+            except ValueError:  # not the main thread (e.g. a notebook executor): no handlers
+                pass
+
+    def _restore_signal_handlers(self) -> None:
+        for sig, old in self._old_handlers.items():
+            signal.signal(sig, old)
+        self._old_handlers.clear()
+
+    # -- output -------------------------------------------------------------------------------
+    def print(self, *args: Any) -> None:
+        if self.display is not None:
+            self.display.print(*args)
+        else:
+            from rlft.monitor.console import console
+
+            console.print(*args)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        record = {"step": self.step, **metrics}
+        if self.step % self.config.logging.log_every == 0 or self.step == self.total_steps:
+            self.run.log_metrics(record)
+        if self.display is not None:
+            self.display.update(self.step, record)
+
+    def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """Checkpoint, export the final model (merged; adapter too under LoRA), write summary.json."""
+        self.close_display()
+        self._restore_signal_handlers()
+        if self.stop_signal is not None:
+            path = self.save_checkpoint()
+            self.print(f"stopped by {self.stop_signal} at step {self.step}; checkpoint {path}\n"
+                       f"resume with: rlft train --resume {self.run.root}")
+            return self.run.update_summary({"status": "interrupted", "step": self.step, **summary})
+        self.save_checkpoint()
+        export_model(self.policy, self.run.final)
+        return self.run.update_summary({"status": "completed", "step": self.step, "final_model": str(self.run.final),
+                                        "nonfinite_skipped": self.nonfinite_total, **summary})
+
+    def close_display(self) -> None:
+        if self.display is not None:
+            self.display.close()
+            self.display = None
+
+
+def _flat_diff(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for key in sorted(set(a) | set(b)):
+            out += _flat_diff(a.get(key), b.get(key), f"{prefix}{key}.")
+        return out
+    return [] if a == b else [prefix.rstrip(".")]
