@@ -1,0 +1,140 @@
+"""The `rlft` command."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from rlft.errors import RlftError
+from rlft.monitor.console import console
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="rlft: reinforcement-learning fine-tuning of open-weight language models.")
+
+
+@app.command(help="Train from a YAML config (SFT, DPO, reward model, GRPO family, PPO); --resume continues a run.")
+def train(
+    config: Optional[Path] = typer.Argument(None, help="Config YAML."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="Overrides: section.key=value ..."),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in this directory."),
+) -> None:
+    from rlft import api
+
+    if resume is not None:
+        extra = ([str(config)] if config else []) + list(overrides or [])
+        summary = api.resume(resume, extra)
+    elif config is None:
+        raise RlftError("give a config file (rlft train CONFIG.yaml) or --resume RUN_DIR")
+    else:
+        summary = api.train(config, list(overrides or []))
+    _print_summary(summary)
+    if summary.get("status") not in ("completed", "interrupted"):
+        raise typer.Exit(1)
+
+
+@app.command(help="Evaluate a model folder or run directory on held-out prompts: accuracy, reward, pass@k.")
+def eval(
+    target: Path = typer.Argument(..., help="Model folder, or a run directory (its final/ is used)."),
+    data: str = typer.Option(..., "--data", help="Held-out prompts (.jsonl/.parquet/hf:NAME) with reward fields."),
+    config: Optional[Path] = typer.Option(None, "--config", help="Take rewards and eval settings from this config."),
+    reward: Optional[List[str]] = typer.Option(None, "--reward", help="Reward fn (built-in or module:fn); repeatable."),
+    samples: Optional[int] = typer.Option(None, "--samples", help="Completions per prompt (pass@k with k = samples)."),
+    temperature: Optional[float] = typer.Option(None, help="0 = greedy (default), > 0 sampled."),
+    max_new_tokens: Optional[int] = typer.Option(None, help="Longest completion."),
+    split: str = typer.Option("train", help="Split for hf: datasets."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write per-completion records (JSONL) here."),
+) -> None:
+    from rlft.config import EvalConfig, RewardSpec, load_config
+    from rlft.eval.run import evaluate_model, summary_rows, write_records
+
+    cfg, rewards = EvalConfig(), [RewardSpec(fn=r) for r in reward or []]
+    if config is not None:
+        loaded = load_config(config)
+        cfg, rewards = loaded.eval, rewards or loaded.rewards
+    updates = {k: v for k, v in dict(num_samples=samples, temperature=temperature,
+                                      max_new_tokens=max_new_tokens).items() if v is not None}
+    cfg = cfg.model_copy(update=updates)
+    result = evaluate_model(target, data, rewards, cfg, split=split)
+    if out is not None:
+        write_records(result, out)
+    from rich.table import Table
+
+    table = Table(title=f"eval of {target} on {data}", show_header=False)
+    for key, value in summary_rows(result.metrics):
+        table.add_row(key, value)
+    console.print(table)
+
+
+@app.command("tiny-model", help="Write a ~1M-parameter random-weight model with tokenizer and chat template.")
+def tiny_model(
+    out_dir: Path = typer.Argument(..., help="Output folder."),
+    arch: str = typer.Option("qwen2", help="qwen2 or llama."),
+    size: str = typer.Option("tiny", help="tiny (~1M params) or small (~30M)."),
+    seed: int = typer.Option(0, help="Weight and tokenizer seed."),
+) -> None:
+    from rlft.models.tiny import build_tiny_model
+
+    if arch not in ("qwen2", "llama"):
+        raise RlftError(f"--arch must be qwen2 or llama, got {arch!r}")
+    if size not in ("tiny", "small"):
+        raise RlftError(f"--size must be tiny or small, got {size!r}")
+    path = build_tiny_model(out_dir, arch=arch, size=size, seed=seed)
+    console.print(f"wrote a {size} {arch} model to {path}")
+
+
+@app.command(help="Run the CPU demo: tiny model, SFT on sloppy data, then GRPO; prints held-out accuracy.")
+def demo(
+    out_dir: Path = typer.Option(Path("demo-output"), "--out", help="Where data, runs and results.json go."),
+    seed: int = typer.Option(0, help="Seed for data, model and training."),
+) -> None:
+    from rlft.demo import DemoSettings, run_demo
+
+    run_demo(out_dir, DemoSettings(seed=seed))
+
+
+@app.command("config-help", help="List every config field with its default and meaning.")
+def config_help() -> None:
+    from rlft.config import config_reference
+
+    print(config_reference())
+
+
+def _print_summary(summary: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title="summary", show_header=False)
+    for key, value in summary.items():
+        if isinstance(value, float):
+            value = f"{value:.4g}"
+        table.add_row(str(key), str(value))
+    console.print(table)
+
+
+def _mount_optional() -> None:
+    try:
+        from rlft.cli_sandbox import app as sandbox_app
+    except ImportError:
+        return
+    app.add_typer(sandbox_app, name="sandbox", help="Run programs in the code-reward sandbox.")
+
+
+_mount_optional()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        app()
+    except RlftError as exc:
+        from rich.markup import escape
+
+        console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""`rlft demo`: SFT teaches the format, RL teaches being right.
+
+The task is two-digit addition with a worked carry step ("7+8=15, carry 1. 4+3+1=8. The answer
+is 85."). The SFT data comes from a sloppy annotator who forgets to add the carry in
+most carry cases -- the situation seed 002 §1.1 describes: SFT imitates its data, mistakes
+included. Imitation teaches the model the format and to forget carries; GRPO with a verifiable
+reward (is the final answer right?) then teaches it to add correctly. The held-out problems never
+appear in SFT or RL data.
+
+Everything runs through the public pipeline: a tiny model written with `save_pretrained`, YAML
+configs in `OUT/configs/`, `rlft.train`, and the same evaluation as `rlft eval`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+FORMAT_REGEX = r"\d\+\d=\d+, carry [01]\. \d\+\d\+[01]=\d+\. The answer is \d+\."
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    seed: int = 0
+    heldout: int = 200
+    sft_rows: int = 2000
+    rl_rows: int = 2000
+    forget_rate: float = 0.7  # share of carry cases where the annotator drops the carry
+    sft_epochs: int = 4
+    sft_lr: float = 3e-3
+    rl_steps: int = 60
+    rl_lr: float = 5e-4
+    group_size: int = 8
+    prompts_per_step: int = 16
+    threads: int | None = None
+
+
+def solution(a: int, b: int, forget_carry: bool = False) -> str:
+    units = a % 10 + b % 10
+    carry = units // 10
+    added = 0 if forget_carry else carry
+    tens = a // 10 + b // 10 + added
+    return (f"{a % 10}+{b % 10}={units}, carry {carry}. {a // 10}+{b // 10}+{added}={tens}. "
+            f"The answer is {tens * 10 + units % 10}.")
+
+
+def question(a: int, b: int) -> str:
+    return f"What is {a} + {b}?"
+
+
+def make_datasets(out: Path, s: DemoSettings) -> dict[str, Path]:
+    """Disjoint SFT, RL and held-out problems; only the SFT answers are sloppy."""
+    rng = random.Random(s.seed)
+    problems = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    rng.shuffle(problems)
+    heldout = problems[: s.heldout]
+    sft = problems[s.heldout: s.heldout + s.sft_rows]
+    rl = problems[s.heldout + s.sft_rows: s.heldout + s.sft_rows + s.rl_rows]
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {name: out / f"{name}.jsonl" for name in ("sft", "rl_prompts", "heldout")}
+    with paths["sft"].open("w") as f:
+        for a, b in sft:
+            forget = (a % 10 + b % 10 >= 10) and rng.random() < s.forget_rate
+            f.write(json.dumps({"prompt": question(a, b), "completion": solution(a, b, forget),
+                                "answer": str(a + b)}) + "\n")
+    for name, rows in (("rl_prompts", rl), ("heldout", heldout)):
+        with paths[name].open("w") as f:
+            for a, b in rows:
+                f.write(json.dumps({"prompt": question(a, b), "answer": str(a + b)}) + "\n")
+    return paths
+
+
+def _rewards() -> list[dict[str, Any]]:
+    return [{"fn": "math", "name": "correct", "weight": 1.0},
+            {"fn": "regex", "name": "format", "weight": 0.1, "args": {"pattern": FORMAT_REGEX, "mode": "fullmatch"}}]
+
+
+def _eval_section() -> dict[str, Any]:
+    return {"max_examples": None, "max_new_tokens": 48, "format_regex": FORMAT_REGEX, "correct_component": "correct"}
+
+
+def configs(out: Path, model: Path, data: dict[str, Path], s: DemoSettings) -> dict[str, dict[str, Any]]:
+    common = {"seed": s.seed, "logging": {"progress": True}, "eval": _eval_section(), "rewards": _rewards()}
+    threads = {"num_threads": s.threads} if s.threads else {}
+    sft = {"method": "sft", "output_dir": str(out / "runs" / "sft"), "model": {"path": str(model)},
+           "data": {"train": str(data["sft"])},
+           "training": {"learning_rate": s.sft_lr, "batch_size": 32, "epochs": s.sft_epochs, "warmup_ratio": 0.05,
+                        **threads}, **common}
+    grpo = {"method": "grpo", "output_dir": str(out / "runs" / "grpo"),
+            "model": {"path": str(out / "runs" / "sft" / "final")},
+            "data": {"train": str(data["rl_prompts"])},
+            "training": {"learning_rate": s.rl_lr, "max_steps": s.rl_steps, "lr_scheduler": "constant", **threads},
+            "rollout": {"group_size": s.group_size, "prompts_per_step": s.prompts_per_step, "max_new_tokens": 48,
+                        "temperature": 1.0},
+            "algorithm": {"kl_coef": 0.0}, **common}
+    return {"sft": sft, "grpo": grpo}
+
+
+def run_demo(out_dir: str | Path = "demo-output", settings: DemoSettings | None = None) -> dict[str, Any]:
+    from rlft.api import train
+    from rlft.config import EvalConfig, RewardSpec, load_config
+    from rlft.eval.run import evaluate_model
+    from rlft.models.tiny import build_tiny_model
+    from rlft.monitor.console import console
+
+    s = settings or DemoSettings()
+    out = Path(out_dir)
+    started = time.perf_counter()
+    console.rule("[bold]rlft demo: SFT teaches the format, RL teaches being right")
+    data = make_datasets(out / "data", s)
+    model = build_tiny_model(out / "base-model", seed=s.seed)
+    cfgs = configs(out, model, data, s)
+    (out / "configs").mkdir(exist_ok=True)
+    for name, cfg in cfgs.items():
+        (out / "configs" / f"{name}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    eval_cfg = EvalConfig(**_eval_section())
+    rewards = [RewardSpec(**r) for r in _rewards()]
+
+    def heldout(target: Path) -> dict[str, float]:
+        return evaluate_model(target, str(data["heldout"]), rewards, eval_cfg, seed=s.seed, prefix="heldout/").metrics
+
+    results: dict[str, Any] = {"seed": s.seed, "heldout_size": s.heldout}
+    console.print(f"1/3 base model (random init, {_count(model)} parameters): evaluating on {s.heldout} held-out problems")
+    results["base"] = heldout(model)
+    console.print("2/3 SFT on sloppy worked solutions (carries often forgotten)")
+    train(load_config(cfgs["sft"]))
+    results["sft"] = heldout(out / "runs" / "sft")
+    console.print("3/3 GRPO from the SFT model; reward = is the final answer right (math) + 0.1 x format")
+    train(load_config(cfgs["grpo"]))
+    results["rl"] = heldout(out / "runs" / "grpo")
+    results["reward_curve"] = _reward_curve(out / "runs" / "grpo" / "metrics.jsonl")
+    results["sft_accuracy"] = results["sft"]["heldout/accuracy"]
+    results["rl_accuracy"] = results["rl"]["heldout/accuracy"]
+    results["base_accuracy"] = results["base"]["heldout/accuracy"]
+    results["seconds"] = round(time.perf_counter() - started, 1)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    _print_table(results, out)
+    return results
+
+
+def _count(model_dir: Path) -> str:
+    from safetensors.torch import load_file
+
+    return f"{sum(t.numel() for t in load_file(model_dir / 'model.safetensors').values()) / 1e6:.2f}M"
+
+
+def _reward_curve(metrics_path: Path, points: int = 6) -> list[dict[str, float]]:
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    rows = [r for r in rows if "reward/correct" in r]
+    if not rows:
+        return []
+    stride = max(1, len(rows) // points)
+    picked = rows[::stride] + ([rows[-1]] if (len(rows) - 1) % stride else [])
+    return [{"step": r["step"], "correct": round(r["reward/correct"], 3)} for r in picked]
+
+
+def _print_table(results: dict[str, Any], out: Path) -> None:
+    from rich.table import Table
+
+    from rlft.monitor.console import console
+
+    table = Table(title=f"held-out accuracy ({results['heldout_size']} problems never seen in training)")
+    for col in ("model", "accuracy", "format compliance", "mean length (tokens)"):
+        table.add_column(col)
+    for name, label in (("base", "base (random init)"), ("sft", "SFT (sloppy data)"), ("rl", "SFT + GRPO")):
+        m = results[name]
+        table.add_row(label, f"{m['heldout/accuracy']:.3f}", f"{m['heldout/format_compliance']:.3f}",
+                      f"{m['heldout/length_mean']:.1f}")
+    console.print(table)
+    curve = "  ".join(f"step {p['step']}: {p['correct']:.2f}" for p in results["reward_curve"])
+    console.print(f"GRPO training reward (share of correct answers): {curve}")
+    gain = results["rl_accuracy"] - results["sft_accuracy"]
+    console.print(f"RL - SFT = {gain:+.3f} held-out accuracy, in {results['seconds']:.0f} s")
+    console.print(f"outputs: {out}/results.json, runs in {out}/runs/ (metrics.jsonl, samples.jsonl, final/), "
+                  f"configs in {out}/configs/")
