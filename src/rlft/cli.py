@@ -114,19 +114,25 @@ def _print_summary(summary: dict) -> None:
     console.print(table)
 
 
-def _mount_optional() -> None:
-    try:
-        from rlft.cli_sandbox import app as sandbox_app
-    except ImportError:
-        return
-    app.add_typer(sandbox_app, name="sandbox", help="Run programs in the code-reward sandbox.")
+def quiet_libraries() -> None:
+    """Keep the console for rlft's own progress: no per-load progress bars from transformers."""
+    import os
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
 
 
-_mount_optional()
+from rlft.cli_sandbox import app as sandbox_app  # noqa: E402  (light: imports only the sandbox)
+
+app.add_typer(sandbox_app, name="sandbox", help="Run a program against tests in the code-reward sandbox.")
 
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    quiet_libraries()
     try:
         app()
     except RlftError as exc:

@@ -32,10 +32,10 @@ class DemoSettings:
     sft_rows: int = 2000
     rl_rows: int = 2000
     forget_rate: float = 0.7  # share of carry cases where the annotator drops the carry
-    sft_epochs: int = 4
+    sft_epochs: int = 10
     sft_lr: float = 3e-3
-    rl_steps: int = 60
-    rl_lr: float = 5e-4
+    rl_steps: int = 50
+    rl_lr: float = 1e-4
     group_size: int = 8
     prompts_per_step: int = 16
     threads: int | None = None
@@ -69,10 +69,12 @@ def make_datasets(out: Path, s: DemoSettings) -> dict[str, Path]:
             forget = (a % 10 + b % 10 >= 10) and rng.random() < s.forget_rate
             f.write(json.dumps({"prompt": question(a, b), "completion": solution(a, b, forget),
                                 "answer": str(a + b)}) + "\n")
-    for name, rows in (("rl_prompts", rl), ("heldout", heldout)):
-        with paths[name].open("w") as f:
-            for a, b in rows:
-                f.write(json.dumps({"prompt": question(a, b), "answer": str(a + b)}) + "\n")
+    with paths["rl_prompts"].open("w") as f:
+        for a, b in rl:
+            f.write(json.dumps({"prompt": question(a, b), "answer": str(a + b)}) + "\n")
+    with paths["heldout"].open("w") as f:  # with the correct worked solution, for eval loss and reading
+        for a, b in heldout:
+            f.write(json.dumps({"prompt": question(a, b), "completion": solution(a, b), "answer": str(a + b)}) + "\n")
     return paths
 
 

@@ -171,8 +171,7 @@ def export_model(loaded: LoadedModel, out_dir: str | Path) -> Path:
         loaded.tokenizer.save_pretrained(out / "adapter")
         model = model.merge_and_unload()
         loaded.model, loaded.is_lora = model, False
-    if getattr(model, "is_gradient_checkpointing", False):
-        model.config.use_cache = True
+    model.config.use_cache = True  # gradient checkpointing turns it off for training
     model.save_pretrained(out)
     loaded.tokenizer.save_pretrained(out)
     write_template_record(out, loaded.tokenizer)

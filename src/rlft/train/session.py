@@ -59,7 +59,9 @@ class TrainingSession:
 
     # -- run directory ------------------------------------------------------------------------
     def _check_run_dir(self) -> None:
-        if self.run.config_path.exists():
+        # Only a checkpoint makes a run worth protecting: an attempt that stopped before its first
+        # one (bad data, template mismatch) is restarted from scratch by `resume()` anyway.
+        if self.run.config_path.exists() and ckpt.find_latest(self.run.checkpoints) is not None:
             saved = yaml.safe_load(self.run.config_path.read_text())
             now = self.config.model_dump(mode="json")
             diffs = [k for k in _flat_diff(saved, now) if not any(k == p or k.startswith(p + ".") for p in _MAY_CHANGE)]

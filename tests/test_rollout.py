@@ -1,0 +1,133 @@
+"""The HF rollout engine: stopping, grouping, seeding, and log-probs that match the trainer's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlft.config import LoraConfig, ModelConfig
+from rlft.models.loading import load_policy
+from rlft.models.template import encode_prompt, end_of_turn_ids
+from rlft.models.tiny import build_tiny_model
+from rlft.rollout.base import SamplingParams
+from rlft.rollout.batch import RolloutBatch
+from rlft.rollout.hf import HFEngine
+from rlft.train.logprobs import completion_logprobs
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    path = build_tiny_model(tmp_path_factory.mktemp("rollout") / "m", seed=1)
+    return load_policy(ModelConfig(path=str(path)), LoraConfig())
+
+
+def _prompts(policy, texts):
+    return [encode_prompt(policy.tokenizer, [{"role": "user", "content": t}]) for t in texts]
+
+
+def _engine(policy, seed=0, batch_size=None):
+    return HFEngine(policy.model, policy.tokenizer, end_of_turn_ids(policy.tokenizer), policy.device, seed=seed,
+                    batch_size=batch_size)
+
+
+def test_greedy_matches_generate(policy):
+    prompts = _prompts(policy, ["What is 2 + 3?", "Say something long, please, and keep going."])
+    stop = end_of_turn_ids(policy.tokenizer)
+    outs = _engine(policy).generate(prompts, SamplingParams(temperature=0, max_new_tokens=12))
+    for prompt, out in zip(prompts, outs):
+        ref = policy.model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                    eos_token_id=stop, pad_token_id=policy.tokenizer.pad_token_id)
+        assert out.completion_ids == ref[0, len(prompt):].tolist()
+        assert out.prompt_ids == prompt
+
+
+def test_grouping_lengths_and_finish_reasons(policy):
+    prompts = _prompts(policy, ["a", "bb bb", "c c c c c c"])
+    outs = _engine(policy).generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=6))
+    assert [o.prompt_index for o in outs] == [0] * 4 + [1] * 4 + [2] * 4
+    stop = set(end_of_turn_ids(policy.tokenizer))
+    for o in outs:
+        assert len(o.completion_ids) == len(o.logprobs) <= 6
+        if o.finish_reason == "stop":
+            assert o.completion_ids[-1] in stop and not stop & set(o.completion_ids[:-1])
+        else:
+            assert len(o.completion_ids) == 6 and not stop & set(o.completion_ids)
+
+
+def test_stops_on_end_of_turn_token(policy):
+    """Force the end-of-turn token with a logit bias: every completion stops at once."""
+    im_end = policy.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    bias = torch.zeros(len(policy.tokenizer))
+    bias[im_end] = 100.0
+    hook = policy.model.get_output_embeddings().register_forward_hook(lambda mod, inp, out: out + bias)
+    try:
+        outs = _engine(policy).generate(_prompts(policy, ["x", "y"]), SamplingParams(n=2, max_new_tokens=8))
+    finally:
+        hook.remove()
+    assert all(o.finish_reason == "stop" and o.completion_ids == [im_end] and o.text == "" for o in outs)
+
+
+def test_seeded_and_batch_size_independent_of_grouping(policy):
+    prompts = _prompts(policy, ["one", "two"])
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=8)
+    a = _engine(policy, seed=7).generate(prompts, params)
+    b = _engine(policy, seed=7).generate(prompts, params)
+    c = _engine(policy, seed=8).generate(prompts, params)
+    assert [o.completion_ids for o in a] == [o.completion_ids for o in b]
+    assert [o.completion_ids for o in a] != [o.completion_ids for o in c]
+
+
+def test_sampling_logprobs_match_training_forward(policy):
+    """Old log-probs come from the engine, so they must equal what the trainer computes for the
+    same ids (no decode -> re-encode anywhere), here with temperature scaling."""
+    prompts = _prompts(policy, ["What is 12 + 7?", "hi"])
+    outs = _engine(policy).generate(prompts, SamplingParams(n=3, temperature=0.7, max_new_tokens=10))
+    batch = RolloutBatch.from_completions(outs, [o.prompt_index for o in outs], policy.tokenizer.pad_token_id,
+                                          policy.device)
+    with torch.no_grad():
+        lp, _ = completion_logprobs(policy.model, batch.input_ids, batch.attention_mask, batch.completion_len,
+                                    temperature=0.7)
+    mask = batch.completion_mask
+    torch.testing.assert_close(lp[mask], batch.sampling_logprobs[mask], atol=2e-5, rtol=1e-4)
+    # the batch holds exactly the sampled ids, right after each (left-padded) prompt
+    for i, o in enumerate(outs):
+        assert batch.input_ids[i, -batch.completion_len:][: len(o.completion_ids)].tolist() == o.completion_ids
+
+
+def test_top_k_one_is_greedy(policy):
+    prompts = _prompts(policy, ["greedy?"])
+    greedy = _engine(policy).generate(prompts, SamplingParams(temperature=0, max_new_tokens=8))
+    topk = _engine(policy, seed=3).generate(prompts, SamplingParams(n=3, temperature=1.0, top_k=1, max_new_tokens=8))
+    assert all(o.completion_ids == greedy[0].completion_ids for o in topk)
+
+
+def test_tiny_top_p_is_greedy(policy):
+    prompts = _prompts(policy, ["nucleus"])
+    greedy = _engine(policy).generate(prompts, SamplingParams(temperature=0, max_new_tokens=8))
+    nucleus = _engine(policy, seed=3).generate(prompts, SamplingParams(n=3, top_p=1e-6, max_new_tokens=8))
+    assert all(o.completion_ids == greedy[0].completion_ids for o in nucleus)
+
+
+def test_stop_string_truncates_text(policy):
+    prompts = _prompts(policy, ["stop strings"])
+    free = _engine(policy).generate(prompts, SamplingParams(temperature=0, max_new_tokens=10))[0]
+    assert len(free.text) >= 3, "the fixture model must produce some text"
+    marker = free.text[1:3]
+    out = _engine(policy).generate(prompts, SamplingParams(temperature=0, max_new_tokens=10, stop=(marker,)))[0]
+    assert out.finish_reason == "stop"
+    assert marker not in out.text and free.text.startswith(out.text)
+    assert len(out.completion_ids) <= len(free.completion_ids)
+
+
+def test_select_trims_padding_without_changing_logprobs(policy):
+    prompts = _prompts(policy, ["short", "a much longer prompt with many more tokens in it"])
+    outs = _engine(policy).generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=10))
+    batch = RolloutBatch.from_completions(outs, [o.prompt_index for o in outs], policy.tokenizer.pad_token_id,
+                                          policy.device)
+    sub = batch.select(torch.tensor([0, 1]))  # the short prompt's group only
+    assert sub.input_ids.shape[1] < batch.input_ids.shape[1]
+    with torch.no_grad():
+        full, _ = completion_logprobs(policy.model, batch.input_ids, batch.attention_mask, batch.completion_len)
+        part, _ = completion_logprobs(policy.model, sub.input_ids, sub.attention_mask, sub.completion_len)
+    m = sub.completion_mask
+    torch.testing.assert_close(part[m], full[:2, : sub.completion_len][m], atol=2e-5, rtol=1e-4)
