@@ -41,7 +41,9 @@ def read_rows(source: str, split: str = "train") -> list[Row]:
 def _read_jsonl(path: Path) -> list[Row]:
     rows = []
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # "\n" only: splitlines() also breaks at U+2028, U+2029 and U+0085, which JSON strings may
+        # hold raw (json.dumps(ensure_ascii=False) writes them so).
+        lines = path.read_text(encoding="utf-8").split("\n")
     except (OSError, UnicodeDecodeError) as exc:
         raise DataError(f"{path}: cannot read the file: {exc}") from None
     for number, line in enumerate(lines, start=1):

@@ -80,7 +80,10 @@ def require_field(data: dict[str, Any], name: str, types: type | tuple[type, ...
     if name not in data or data[name] is None:
         raise RowError(f"missing field '{name}'", f"{what} needs '{name}'")
     value = data[name]
-    if not isinstance(value, types) or isinstance(value, bool) and bool not in _as_tuple(types):
+    allowed = _as_tuple(types)
+    # bool is an int subclass: refuse True/False where a number is expected, not where anything goes
+    bool_for_number = isinstance(value, bool) and bool not in allowed and any(t in (int, float) for t in allowed)
+    if not isinstance(value, types) or bool_for_number:
         names = "/".join(t.__name__ for t in _as_tuple(types))
         raise RowError(f"wrong type for '{name}'", f"expected {names}, got {type(value).__name__}")
     if isinstance(value, (str, list)) and not (value.strip() if isinstance(value, str) else value):

@@ -36,7 +36,9 @@ def set_chat_template(tokenizer: Any, template: str | None) -> None:
                 "(inline or a .jinja file), e.g. the ChatML one written by `rlft tiny-model`")
         return
     candidate = Path(template)
-    if "{" not in template and candidate.suffix in (".jinja", ".j2", ".txt") :
+    # Jinja without any "{" renders one constant text for every conversation, so such a value is
+    # a file path whatever its suffix; installing it as the template would train on that constant.
+    if "{" not in template:
         if not candidate.is_file():
             raise RlftError(f"model.chat_template: file not found: {candidate}")
         template = candidate.read_text()

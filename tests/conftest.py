@@ -1,0 +1,125 @@
+"""Shared fixtures for the foundation tests: tiny models built once per session, a synthetic chat
+SFT dataset with a fixed answer format, and a small-config helper."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The tiny models are far too small for intra-op parallelism: on a busy 2-core machine a training
+# step took ~2 s with torch's default 2 threads and ~0.03 s with one. Training runs set
+# training.num_threads=1 anyway (process-wide), so this only makes timings independent of order.
+torch.set_num_threads(1)
+
+# The SFT answer format: a fixed sentence with one number. `format_regex` is what a compliant
+# completion must fully match (eval.format_regex).
+ANSWER_REGEX = r"The answer is \d+\."
+
+# The tiny models' ChatML template with one extra newline after the generation header: the seed's
+# "one extra newline before the assistant turn" failure.
+CHANGED_TEMPLATE = ("{%- for message in messages %}"
+                    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+                    "{%- endfor %}"
+                    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n\\n' }}{%- endif %}")
+
+
+@pytest.fixture(scope="session")
+def qwen_path(tmp_path_factory) -> Path:
+    from rlft.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", arch="qwen2", seed=0)
+
+
+@pytest.fixture(scope="session")
+def llama_path(tmp_path_factory) -> Path:
+    from rlft.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", seed=0)
+
+
+def arithmetic_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """Chat rows 'What is a + b?' -> 'The answer is N.' (a, b < 100, so the answer has 1-3 digits
+    and rows differ in length)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        rows.append({"messages": [{"role": "user", "content": f"What is {a} + {b}?"},
+                                  {"role": "assistant", "content": f"The answer is {a + b}."}],
+                     "answer": str(a + b)})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[Any]) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="session")
+def sft_data(tmp_path_factory) -> dict[str, Path]:
+    """256 training rows and 32 held-out rows (different seed) as JSONL."""
+    root = tmp_path_factory.mktemp("sft_data")
+    return {"train": write_jsonl(root / "train.jsonl", arithmetic_rows(256, seed=1)),
+            "eval": write_jsonl(root / "eval.jsonl", arithmetic_rows(32, seed=2))}
+
+
+def make_config(model_path: Path | str, train: Path | str, output_dir: Path | str, **sections: Any) -> dict[str, Any]:
+    """A small SFT config dict: no progress bar, one CPU thread, small batches, short evals.
+    Keyword arguments are sections whose keys are merged over these defaults."""
+    config: dict[str, Any] = {
+        "method": "sft",
+        "output_dir": str(output_dir),
+        "seed": 0,
+        "model": {"path": str(model_path), "device": "cpu"},
+        "data": {"train": str(train), "max_length": 128},
+        "training": {"learning_rate": 1e-3, "batch_size": 4, "epochs": 1, "num_threads": 1,
+                     "lr_scheduler": "constant"},
+        "logging": {"progress": False},
+        "eval": {"max_examples": 8, "max_new_tokens": 12, "batch_size": 32},
+    }
+    for name, values in sections.items():
+        if isinstance(values, dict) and isinstance(config.get(name), dict):
+            config[name] = {**config[name], **values}
+        else:
+            config[name] = values
+    return config
+
+
+@pytest.fixture(scope="session")
+def sft_run(tmp_path_factory, qwen_path, sft_data):
+    """One real SFT run shared by the run-directory, learning, export and template tests:
+    40 steps of 16 rows (lr 3e-3, 4 warmup steps, cosine), eval at step 20 and at the end,
+    checkpoints at steps 20 and 40. The held-out metrics of the untrained model are measured
+    first with the same objective, on the same policy object that is then trained."""
+    from types import SimpleNamespace
+
+    from rlft.config import load_config
+    from rlft.models.loading import load_policy
+    from rlft.train.offline import run_offline
+    from rlft.train.sft import SftObjective
+
+    root = tmp_path_factory.mktemp("sft_run")
+    config = load_config(make_config(
+        qwen_path, sft_data["train"], root / "run",
+        data={"eval": str(sft_data["eval"])},
+        training={"learning_rate": 3e-3, "batch_size": 16, "epochs": 3, "max_steps": 40,
+                  "lr_scheduler": "cosine", "warmup_ratio": 0.1, "eval_every": 20},
+        eval={"format_regex": ANSWER_REGEX, "max_examples": 32, "max_new_tokens": 12},
+        checkpoint={"every": 20, "keep_last": 2},
+    ))
+    policy = load_policy(config.model, config.lora)
+    initial = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+    probe = SimpleNamespace(policy=policy, config=config)
+    objective = SftObjective()
+    _, evals = objective.prepare(probe)
+    baseline = objective.evaluate(probe, evals)
+    summary = run_offline(config, SftObjective(), policy=policy)
+    return SimpleNamespace(config=config, policy=policy, baseline=baseline, summary=summary,
+                           root=Path(config.output_dir), initial_state=initial)
