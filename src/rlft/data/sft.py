@@ -71,7 +71,7 @@ def encode_sft(tokenizer: Any, messages: Messages, end_ids: list[int]) -> tuple[
     return ids, mask
 
 
-def make_sft_encoder(tokenizer: Any, end_ids: list[int], max_length: int):
+def make_sft_encoder(tokenizer: Any, end_ids: list[int], max_length: int, max_prompt_length: int | None = None):
     def encode(row: Row) -> SftExample:
         messages = row_messages(row.data)
         try:
@@ -85,6 +85,10 @@ def make_sft_encoder(tokenizer: Any, end_ids: list[int], max_length: int):
                            f"{len(ids)} tokens; raise data.max_length or shorten the row")
         if sum(mask) == 0:
             raise RowError("no assistant tokens after templating")
+        prompt_len = mask.index(1)
+        if max_prompt_length is not None and prompt_len > max_prompt_length:
+            raise RowError(f"prompt longer than data.max_prompt_length ({max_prompt_length} tokens)",
+                           f"{prompt_len} tokens before the first answer; raise data.max_prompt_length")
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         fields = {k: v for k, v in row.data.items() if k not in ("messages", "prompt", "completion")}
         return SftExample(row.where, ids, mask, messages[:last], messages[last]["content"], fields)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -40,10 +41,12 @@ def is_format_compliant(completion: Completion, pattern: re.Pattern | None) -> b
 
 
 def evaluate_prompts(engine: Engine, examples: Sequence[PromptExample], cfg: EvalConfig,
-                     scorer: RewardScorer | None = None, prefix: str = "eval/") -> EvalResult:
+                     scorer: RewardScorer | None = None, prefix: str = "eval/", seed: int = 0) -> EvalResult:
     examples = list(examples)[: cfg.max_examples] if cfg.max_examples else list(examples)
     params = SamplingParams(n=cfg.num_samples, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
-    completions = engine.generate([e.prompt_ids for e in examples], params)
+    isolated = getattr(engine, "isolated_rng", None)  # keep the rollout generator untouched
+    with isolated(seed) if isolated else nullcontext():
+        completions = engine.generate([e.prompt_ids for e in examples], params)
     pattern = re.compile(cfg.format_regex) if cfg.format_regex else None
     fmt = [is_format_compliant(c, pattern) for c in completions]
     lengths = [len(c.completion_ids) for c in completions]

@@ -38,7 +38,7 @@ def evaluate_model(target: str | Path, data: str, rewards: list[RewardSpec], cfg
     scorer = RewardScorer(rewards) if rewards else None
     engine = HFEngine(policy.model, policy.tokenizer, end_of_turn_ids(policy.tokenizer), policy.device, seed=seed,
                       batch_size=cfg.batch_size)
-    result = evaluate_prompts(engine, examples, cfg, scorer, prefix=prefix)
+    result = evaluate_prompts(engine, examples, cfg, scorer, prefix=prefix, seed=seed)
     if run_dir is not None and write_summary:
         from rlft.train.rundir import RunDir
 

@@ -39,15 +39,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-_ROUND_TRIP_PROBE = "a  b\n\tc 12 + 3 = 15\n\n  x"
+_ROUND_TRIP_PROBE = "What is 5588 +  12?\n\tIt is 5600.\n\n  x = 'y'"
 
 
 def load_tokenizer(cfg: ModelConfig) -> Any:
     """AutoTokenizer, guarded against classes that rewrite a custom tokenizer.json.
 
     With transformers 5.x, AutoTokenizer may pick an architecture's own tokenizer class for a
-    custom `tokenizer.json` and silently drop whitespace; a round trip detects it and we fall back
-    to the generic fast tokenizer that reads tokenizer.json as is.
+    custom `tokenizer.json` that replaces its pre-tokenizer (splitting digits or whitespace
+    differently) or drops whitespace; comparing with tokenizer.json detects it and we fall back to
+    the generic fast tokenizer that reads tokenizer.json as is.
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -59,15 +60,29 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
         raise RlftError(f"could not load the tokenizer from {source!r}: {exc}\n"
                         "Fix: point model.path (or model.tokenizer_path) at a folder with tokenizer files, "
                         "or a hub id reachable from this machine") from None
-    ids = tokenizer(_ROUND_TRIP_PROBE, add_special_tokens=False)["input_ids"]
-    if tokenizer.decode(ids) != _ROUND_TRIP_PROBE and (Path(source) / "tokenizer.json").is_file():
-        log.warning("%s does not round-trip whitespace; loading tokenizer.json with the generic class",
-                    type(tokenizer).__name__)
+    if _rewrites_tokenizer_json(tokenizer, Path(source)):
+        log.info("%s tokenizes differently from %s/tokenizer.json; using tokenizer.json as is",
+                 type(tokenizer).__name__, source)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(source, **kwargs)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     set_chat_template(tokenizer, cfg.chat_template)
     return tokenizer
+
+
+def _rewrites_tokenizer_json(tokenizer: Any, folder: Path) -> bool:
+    """True when the loaded class splits text differently from the folder's own tokenizer.json
+    (it replaced the pre-tokenizer) or loses whitespace. The checkpoint's tokenizer.json is what
+    the model was trained with, so it wins."""
+    ids = tokenizer(_ROUND_TRIP_PROBE, add_special_tokens=False)["input_ids"]
+    if not (folder / "tokenizer.json").is_file():
+        return False
+    if tokenizer.decode(ids) != _ROUND_TRIP_PROBE:
+        return True
+    from tokenizers import Tokenizer
+
+    raw = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    return raw.encode(_ROUND_TRIP_PROBE, add_special_tokens=False).ids != ids
 
 
 @dataclass
@@ -109,17 +124,51 @@ def load_policy(cfg: ModelConfig, lora: LoraConfig) -> LoadedModel:
     return LoadedModel(model=model, tokenizer=tokenizer, device=device, is_lora=lora.enabled)
 
 
-def apply_lora(model: Any, lora: LoraConfig) -> Any:
+def apply_lora(model: Any, lora: LoraConfig, task_type: str = "CAUSAL_LM") -> Any:
+    """peft LoRA; with task_type SEQ_CLS peft also trains and saves the new score head in full."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
     peft_cfg = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                              target_modules=lora.target_modules, task_type="CAUSAL_LM")
+                              target_modules=lora.target_modules, task_type=task_type)
     try:
         return get_peft_model(model, peft_cfg)
     except ValueError as exc:
         raise RlftError(f"lora.target_modules: {exc}\nFix: use 'all-linear' or module names of this "
                         "model (e.g. q_proj, v_proj)") from None
+
+
+def load_reward_model(cfg: ModelConfig, lora: LoraConfig) -> LoadedModel:
+    """A one-logit sequence classifier for reward-model training, from a causal-LM checkpoint (a new
+    score head, seeded by the caller) or from an earlier reward model.
+
+    The head reads the last token that is not `config.pad_token_id`, so that id must be the one
+    the tokenizer pads with; it is set here and saved with the export, where the `reward_model`
+    reward finds it.
+    """
+    from transformers import AutoModelForSequenceClassification
+
+    device = resolve_device(cfg.device)
+    tokenizer = load_tokenizer(cfg)
+    check_template(cfg.path, tokenizer, cfg.allow_template_change)
+    kwargs: dict[str, Any] = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
+                                  dtype=resolve_dtype(cfg.dtype, device), num_labels=1)
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(cfg.path, **kwargs)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise RlftError(f"could not load {cfg.path!r} as a one-logit sequence classifier: {exc}\n"
+                        "Fix: model.path must be a causal-LM checkpoint (a score head is added) or a "
+                        "reward model with one label") from None
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.to(device)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if lora.enabled:
+        model = apply_lora(model, lora, task_type="SEQ_CLS")
+    return LoadedModel(model=model, tokenizer=tokenizer, device=device, is_lora=lora.enabled)
 
 
 class Reference:

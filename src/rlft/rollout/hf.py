@@ -9,7 +9,8 @@ is checkpointed (exact resume).
 from __future__ import annotations
 
 import inspect
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -136,6 +137,17 @@ class HFEngine:
                                   finish_reason="stop" if bool(stopped[r]) else "length",
                                   prompt_index=prompt_index))
         return out
+
+    @contextmanager
+    def isolated_rng(self, seed: int) -> Iterator[None]:
+        """Sample from a generator seeded with `seed`, then restore the rollout generator: evals
+        are reproducible and never change the training trajectory."""
+        saved = self.generator.get_state()
+        self.generator.manual_seed(seed)
+        try:
+            yield
+        finally:
+            self.generator.set_state(saved)
 
     def state_dict(self) -> dict[str, Any]:
         return {"generator": self.generator.get_state()}

@@ -33,7 +33,9 @@ log = logging.getLogger(__name__)
 PREFIX = "step-"
 MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.pt"
-FAULT_ENV = "RLFT_FAULT"  # "<stage>@<step>": SIGKILL this process at that stage (crash tests)
+# Fault injection for crash tests: RLFT_FAULT="<stage>@<step>" SIGKILLs this process at that point of
+# saving the checkpoint of that step (ckpt-model, ckpt-state, ckpt-rename, ckpt-done).
+FAULT_ENV = "RLFT_FAULT"
 
 
 def fault_point(stage: str, step: int) -> None:
@@ -148,11 +150,12 @@ def save_checkpoint(checkpoints: Path, step: int, model: Any, is_lora: bool, tok
     latest_tmp.write_text(name + "\n")
     os.replace(latest_tmp, checkpoints / "latest")
     _fsync_dir(checkpoints)
-    _prune(checkpoints, keep_last, protect or set())
+    prune(checkpoints, keep_last, protect or set())
+    fault_point("ckpt-done", step)
     return final
 
 
-def _prune(checkpoints: Path, keep_last: int, protect: set[str]) -> None:
+def prune(checkpoints: Path, keep_last: int, protect: set[str]) -> None:
     complete = sorted(p for p in checkpoints.glob(f"{PREFIX}*") if (p / MARKER).exists())
     for old in complete[:-keep_last]:
         if old.name not in protect:
@@ -176,6 +179,20 @@ def verify_checkpoint(path: Path) -> str | None:
         if _sha256(file) != digest:
             return f"corrupt file {rel} (SHA-256 mismatch)"
     return None
+
+
+BEST_FILE = "best.json"
+
+
+def read_best(checkpoints: Path) -> dict[str, Any] | None:
+    path = checkpoints / BEST_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def record_best(checkpoints: Path, name: str, metric: str, value: float) -> None:
+    tmp = checkpoints / (BEST_FILE + ".tmp")
+    tmp.write_text(json.dumps({"checkpoint": name, "metric": metric, "value": value}))
+    os.replace(tmp, checkpoints / BEST_FILE)
 
 
 def find_latest(checkpoints: Path) -> Path | None:

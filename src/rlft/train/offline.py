@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from rlft.config import Config
-from rlft.models.loading import LoadedModel
+from rlft.models.loading import LoadedModel, load_policy
 from rlft.train.session import TrainingSession
 
 
@@ -35,6 +35,9 @@ class OfflineObjective(Protocol):
     def evaluate(self, session: TrainingSession, examples: list[Any]) -> dict[str, float]:
         """Held-out metrics, named `eval/...`."""
 
+    # Optional: `load_model(model_cfg, lora_cfg) -> LoadedModel` when the objective trains something
+    # other than a causal LM (reward-model training: a sequence classifier); default `load_policy`.
+
 
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
     if not shuffle:
@@ -44,7 +47,7 @@ def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
 
 
 def run_offline(config: Config, objective: OfflineObjective, policy: LoadedModel | None = None) -> dict[str, Any]:
-    session = TrainingSession(config, policy)
+    session = TrainingSession(config, policy, getattr(objective, "load_model", load_policy))
     train, evals = objective.prepare(session)
     tc = config.training
     batch, micro = tc.batch_size, tc.micro_batch_size or tc.batch_size
@@ -78,15 +81,16 @@ def run_offline(config: Config, objective: OfflineObjective, policy: LoadedModel
                 if metrics is None:  # skipped: non-finite loss or gradient
                     continue
                 metrics["epoch"] = epoch + (b + 1) / steps_per_epoch
-                if evals and tc.eval_every and session.step % tc.eval_every == 0 and session.step < total:
-                    metrics.update(objective.evaluate(session, evals))
+                if evals and session.eval_due():
+                    eval_metrics = objective.evaluate(session, evals)
+                    metrics.update(eval_metrics)
                     model.train()
                 session.log(metrics)
                 if session.checkpoint_due():
                     session.save_checkpoint()
-        if evals and session.stop_signal is None:
+        if evals and session.stop_signal is None and session.step < total:  # ended early (skipped steps)
             eval_metrics = objective.evaluate(session, evals)
-            session.run.log_metrics({"step": session.step, **eval_metrics})
+            session.log_eval(eval_metrics)
     finally:
         session.close_display()
     train_metrics = _last_train_metrics(session)

@@ -12,9 +12,8 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import yaml
 
-from rlft.config import Config
+from rlft.config import Config, LoraConfig, ModelConfig, load_config
 from rlft.errors import ResumeError, TrainingHalted
 from rlft.models.loading import LoadedModel, export_model, load_policy
 from rlft.models.template import check_template
@@ -37,14 +36,15 @@ def seed_everything(seed: int) -> None:
 
 
 class TrainingSession:
-    def __init__(self, config: Config, policy: LoadedModel | None = None):
+    def __init__(self, config: Config, policy: LoadedModel | None = None,
+                 loader: Callable[[ModelConfig, LoraConfig], LoadedModel] = load_policy):
         self.config = config
         self.run = RunDir(config.output_dir)
         if config.training.num_threads:
             torch.set_num_threads(config.training.num_threads)
         seed_everything(config.seed)
         self._check_run_dir()
-        self.policy = policy or load_policy(config.model, config.lora)
+        self.policy = policy or loader(config.model, config.lora)  # after seeding: new heads are seeded
         self.params = self.policy.trainable_parameters()
         self.optimizer = build_optimizer(self.params, config.training)
         self.scheduler = None
@@ -55,6 +55,7 @@ class TrainingSession:
         self.stop_signal: str | None = None
         self.display: ProgressDisplay | None = None
         self.extra_state: Callable[[], dict[str, Any]] = dict  # set by the loop: its own resumable state
+        self.last_metrics: dict[str, Any] = {}  # the latest logged step, for keep_best
         self._old_handlers: dict[int, Any] = {}
 
     # -- run directory ------------------------------------------------------------------------
@@ -62,7 +63,8 @@ class TrainingSession:
         # Only a checkpoint makes a run worth protecting: an attempt that stopped before its first
         # one (bad data, template mismatch) is restarted from scratch by `resume()` anyway.
         if self.run.config_path.exists() and ckpt.find_latest(self.run.checkpoints) is not None:
-            saved = yaml.safe_load(self.run.config_path.read_text())
+            # Re-validated, so fields added by a newer rlft compare as their defaults.
+            saved = load_config(self.run.config_path).model_dump(mode="json")
             now = self.config.model_dump(mode="json")
             diffs = [k for k in _flat_diff(saved, now) if not any(k == p or k.startswith(p + ".") for p in _MAY_CHANGE)]
             if diffs:
@@ -72,6 +74,13 @@ class TrainingSession:
         self.run.create(self.config)
 
     # -- optimisation -------------------------------------------------------------------------
+    def add_parameters(self, params: list[torch.nn.Parameter]) -> None:
+        """Train extra parameters with the policy (e.g. PPO's shared value head); before start()."""
+        if self.scheduler is not None:
+            raise RuntimeError("add_parameters must be called before start()")
+        self.optimizer.add_param_group({"params": params})
+        self.params.extend(params)
+
     def start(self, total_steps: int, keys: list[str], title: str, updates_per_step: int = 1) -> None:
         self.total_steps = total_steps
         self.scheduler = build_scheduler(self.optimizer, self.config.training, total_steps * updates_per_step)
@@ -113,8 +122,20 @@ class TrainingSession:
                 "config": self.config.model_dump(mode="json"), **self.extra_state()}
 
     def save_checkpoint(self) -> Path:
-        return ckpt.save_checkpoint(self.run.checkpoints, self.step, self.policy.model, self.policy.is_lora,
-                                    self.policy.tokenizer, self.trainer_state(), self.config.checkpoint.keep_last)
+        """Save, keeping the last N and (with checkpoint.keep_best) the best by a logged metric."""
+        cfg = self.config.checkpoint
+        best = ckpt.read_best(self.run.checkpoints)
+        protect = {best["checkpoint"]} if best else set()
+        path = ckpt.save_checkpoint(self.run.checkpoints, self.step, self.policy.model, self.policy.is_lora,
+                                    self.policy.tokenizer, self.trainer_state(), cfg.keep_last, protect)
+        value = self.last_metrics.get(cfg.keep_best) if cfg.keep_best else None
+        if value is not None and math.isfinite(value):
+            better = best is None or (value > best["value"] if cfg.best_mode == "max" else value < best["value"])
+            if better:
+                ckpt.record_best(self.run.checkpoints, path.name, cfg.keep_best, value)
+                if best and best["checkpoint"] != path.name:  # the previous best is now an ordinary one
+                    ckpt.prune(self.run.checkpoints, cfg.keep_last, {path.name})
+        return path
 
     def resume(self) -> dict[str, Any] | None:
         """Load the newest intact checkpoint; returns its trainer state (None: fresh start)."""
@@ -140,6 +161,11 @@ class TrainingSession:
         if self.display is not None:
             self.display.update(self.step, {})
         return state
+
+    def eval_due(self) -> bool:
+        """After every `training.eval_every` steps, and after the last step."""
+        every = self.config.training.eval_every
+        return self.step == self.total_steps or bool(every) and self.step % every == 0
 
     def checkpoint_due(self) -> bool:
         every = self.config.checkpoint.every
@@ -175,10 +201,16 @@ class TrainingSession:
 
     def log(self, metrics: dict[str, Any]) -> None:
         record = {"step": self.step, **metrics}
+        self.last_metrics = record
         if self.step % self.config.logging.log_every == 0 or self.step == self.total_steps:
             self.run.log_metrics(record)
         if self.display is not None:
             self.display.update(self.step, record)
+
+    def log_eval(self, metrics: dict[str, Any]) -> None:
+        """End-of-training evaluation: its own metrics line, also seen by keep_best."""
+        self.run.log_metrics({"step": self.step, **metrics})
+        self.last_metrics.update(metrics)
 
     def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
         """Checkpoint, export the final model (merged; adapter too under LoRA), write summary.json."""

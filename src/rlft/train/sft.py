@@ -32,7 +32,7 @@ class SftObjective:
         cfg, tok = session.config, session.policy.tokenizer
         self.pad_id = tok.pad_token_id
         self.end_ids = end_of_turn_ids(tok)
-        encode = make_sft_encoder(tok, self.end_ids, cfg.data.max_length)
+        encode = make_sft_encoder(tok, self.end_ids, cfg.data.max_length, cfg.data.max_prompt_length)
         train = check_rows(read_rows(cfg.data.train, cfg.data.split), encode, cfg.data.train, "SFT", cfg.data.on_invalid)
         evals: list[SftExample] = []
         if cfg.data.eval:
@@ -68,5 +68,6 @@ class SftObjective:
                           seed=session.config.seed, batch_size=session.config.eval.batch_size)
         prompts = [PromptExample(e.where, e.prompt_messages, encode_prompt(session.policy.tokenizer, e.prompt_messages),
                                  e.fields) for e in examples]
-        metrics.update(evaluate_prompts(engine, prompts, session.config.eval, self.scorer).metrics)
+        result = evaluate_prompts(engine, prompts, session.config.eval, self.scorer, seed=session.config.seed)
+        metrics.update(result.metrics)
         return metrics
