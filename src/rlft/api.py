@@ -27,6 +27,16 @@ def train(config: Config | dict[str, Any] | str | Path, overrides: list[str] | N
         from rlft.train.sft import SftObjective
 
         return run_offline(cfg, SftObjective())
+    if cfg.method == "dpo":
+        from rlft.train.dpo import DpoObjective
+        from rlft.train.offline import run_offline
+
+        return run_offline(cfg, DpoObjective())
+    if cfg.method == "reward_model":
+        from rlft.train.offline import run_offline
+        from rlft.train.reward_model import RewardModelObjective
+
+        return run_offline(cfg, RewardModelObjective())
     if cfg.is_online:
         from rlft.train.online import run_online
 

@@ -7,6 +7,7 @@ every value the run used; nothing is changed at run time.
 
 from __future__ import annotations
 
+import copy
 import difflib
 from pathlib import Path
 from typing import Any, Literal
@@ -147,6 +148,21 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+class CriticConfig(Section):
+    """The value model of PPO (method: ppo); unused by the critic-free methods."""
+
+    kind: Literal["separate", "shared"] = Field(
+        "separate", description="'separate': its own model; 'shared': a value head on the policy's backbone.")
+    path: str | None = Field(None, description="Separate critic's initial weights (default: model.path; a reward "
+                                               "model export also works).")
+    lora: bool = Field(False, description="Separate critic: train LoRA adapters (and the value head) only.")
+    learning_rate: float | None = Field(None, gt=0, description="Separate critic's learning rate (default: training's).")
+    value_coef: float = Field(0.5, ge=0, description="Shared head: weight of the value loss in the combined loss.")
+    value_clip: float | None = Field(0.2, ge=0, description="Clip of the value update around the old values (None: off).")
+    warmup_steps: int = Field(0, ge=0, description="First rollout steps that train the critic only (policy frozen).")
+    whiten_advantages: bool = Field(True, description="Normalise GAE advantages over the batch's valid tokens.")
+
+
 class RewardSpec(Section):
     fn: str = Field(description="Built-in name (math, exact_match, regex, json_fields, ...) or 'module:function' / 'file.py:function'.")
     name: str | None = Field(None, description="Component name in logs (default: derived from fn).")
@@ -170,6 +186,9 @@ class LoggingConfig(Section):
 class CheckpointConfig(Section):
     every: int | None = Field(None, ge=1, description="Save a checkpoint every N steps (always at the end).")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept (older ones removed after a new one is complete).")
+    keep_best: str | None = Field(
+        None, description="Also keep the checkpoint with the best value of this metric (e.g. 'eval/accuracy').")
+    best_mode: Literal["max", "min"] = Field("max", description="Whether a larger or smaller keep_best metric is better.")
 
 
 class EvalConfig(Section):
@@ -183,6 +202,39 @@ class EvalConfig(Section):
         None, description="Reward component that means 'correct' for accuracy (default: the first).")
     correct_threshold: float = Field(1.0, description="A sample is correct when that component is >= this.")
     batch_size: int = Field(64, ge=1, description="Sequences generated per forward when evaluating.")
+
+
+class DpoConfig(Section):
+    """Direct preference optimisation (method: dpo) on chosen/rejected pairs."""
+
+    loss: Literal["sigmoid", "ipo", "hinge"] = Field(
+        "sigmoid", description="Preference loss: sigmoid (DPO), ipo (squared, finite target) or hinge (SLiC).")
+    beta: float = Field(
+        0.1, gt=0, description="Strength of the pull towards the reference (DPO's beta; IPO's tau). Sweep 0.05/0.1/0.3.")
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="Conservative DPO: assumed share of flipped labels (sigmoid loss only).")
+    nll_coef: float = Field(
+        0.0, ge=0, description="Weight of an extra NLL term on chosen answers (mean per token, per pair); 0: off.")
+    precompute_ref: bool = Field(
+        False, description="Score every pair with the reference once before training (no reference forward "
+                           "per step; a full fine-tune then frees the reference copy).")
+
+    @model_validator(mode="after")
+    def _smoothing_needs_sigmoid(self) -> "DpoConfig":
+        if self.label_smoothing and self.loss != "sigmoid":
+            raise ValueError(f"dpo.label_smoothing applies to the sigmoid loss only; dpo.loss is {self.loss!r} "
+                             "(set dpo.label_smoothing=0)")
+        return self
+
+
+class RewardModelConfig(Section):
+    """Reward-model training (method: reward_model): a scalar head on a causal-LM checkpoint."""
+
+    margin: float = Field(
+        0.0, description="Bradley-Terry margin for rows without their own 'margin' field: chosen must win by it.")
+    center_coef: float = Field(
+        0.0, ge=0, description="Reward centering: adds coef * (r_chosen + r_rejected)^2 per pair so scores stay "
+                               "near zero (arXiv:2312.09244 uses 0.01); 0: off.")
 
 
 class Config(Section):
@@ -200,6 +252,9 @@ class Config(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    dpo: DpoConfig = Field(default_factory=DpoConfig)
+    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -243,7 +298,7 @@ class Config(Section):
 def load_config(source: str | Path | dict[str, Any], overrides: list[str] | None = None) -> Config:
     """Load a config from a YAML file (or a dict) and apply `a.b=value` overrides."""
     if isinstance(source, dict):
-        raw, origin = dict(source), "config"
+        raw, origin = copy.deepcopy(source), "config"  # overrides must not edit the caller's dict
     else:
         path = Path(source)
         if not path.is_file():

@@ -16,11 +16,16 @@ def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def forward_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int = 0) -> torch.Tensor:
-    """Logits `[B, keep, V]` for the last `keep` positions (all positions when keep == 0)."""
+def forward_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int = 0,
+                   hidden: bool = False):
+    """Logits `[B, keep, V]` for the last `keep` positions (all positions when keep == 0); with
+    `hidden`, also the last hidden state of those positions `[B, keep, H]`."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask),
-                use_cache=False, logits_to_keep=keep)
-    return out.logits
+                use_cache=False, logits_to_keep=keep, output_hidden_states=hidden)
+    if not hidden:
+        return out.logits
+    last = out.hidden_states[-1]
+    return out.logits, (last[:, -keep:] if keep else last)
 
 
 def selected_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
@@ -49,19 +54,26 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, chunk_ro
 
 
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
-                        temperature: float = 1.0, entropy: str = "none"):
+                        temperature: float = 1.0, entropy: str = "none", hidden: bool = False):
     """Log-probs of the last `completion_len` tokens of each row (the completion region of a
     `[left-padded prompt | right-padded completion]` batch): `[B, Tc]`, plus the entropy per
-    position when `entropy` is 'metric' (no gradient) or 'grad' (for an entropy bonus)."""
-    logits = forward_logits(model, input_ids, attention_mask, keep=completion_len + 1)[:, :-1]  # [B, Tc, V]
+    position when `entropy` is 'metric' (no gradient) or 'grad' (for an entropy bonus), plus the
+    hidden states `[B, Tc, H]` of the positions that predicted them when `hidden` (a value head)."""
+    out = forward_logits(model, input_ids, attention_mask, keep=completion_len + 1, hidden=hidden)
+    logits, states = out if hidden else (out, None)
+    logits = logits[:, :-1]  # [B, Tc, V]
     targets = input_ids[:, -completion_len:]
     logprobs = selected_logprobs(logits, targets, temperature)
     if entropy == "none":
-        return logprobs, None
-    if entropy == "grad":
-        return logprobs, entropy_from_logits(logits, temperature)
-    with torch.no_grad():
-        return logprobs, entropy_from_logits(logits.detach(), temperature)
+        ent = None
+    elif entropy == "grad":
+        ent = entropy_from_logits(logits, temperature)
+    else:
+        with torch.no_grad():
+            ent = entropy_from_logits(logits.detach(), temperature)
+    if hidden:
+        return logprobs, ent, states[:, :-1]
+    return logprobs, ent
 
 
 def sft_token_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:

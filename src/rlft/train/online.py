@@ -1,4 +1,4 @@
-"""The online loop (GRPO, Dr. GRPO, DAPO, RLOO, REINFORCE++):
+"""The online loop (GRPO, Dr. GRPO, DAPO, RLOO, REINFORCE++, and PPO with a critic):
 
     prompts -> rollout -> rewards -> advantages -> mu epochs of policy updates -> metrics -> checkpoint
 
@@ -14,19 +14,21 @@ from typing import Any
 
 import torch
 
-from rlft.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, make_kl_controller
+from rlft.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, make_kl_controller, whiten
 from rlft.config import Config
 from rlft.data.loading import read_rows
 from rlft.data.prompts import PromptExample, make_prompt_encoder
 from rlft.data.validate import check_rows
-from rlft.errors import RlftError, TrainingHalted
+from rlft.errors import TrainingHalted
 from rlft.eval.generation import evaluate_prompts
 from rlft.models.loading import Reference
 from rlft.models.template import end_of_turn_ids
 from rlft.rewards.base import RewardScorer
 from rlft.rollout import build_engine, sampling_params
 from rlft.rollout.batch import RolloutBatch
-from rlft.train.rl_update import UpdateSettings, policy_update, reference_logprobs, token_rewards
+from rlft.train.critic import build_critic
+from rlft.train.rl_update import (UpdateSettings, ValueTargets, critic_values, policy_update, reference_logprobs,
+                                  token_rewards)
 from rlft.train.rollouts import PromptSampler, Rollout, collect_rollout
 from rlft.train.session import TrainingSession
 
@@ -49,9 +51,6 @@ def update_settings(config: Config) -> UpdateSettings:
 
 
 def run_online(config: Config) -> dict[str, Any]:
-    if config.algorithm.advantage == "gae":
-        raise RlftError("method ppo (GAE with a critic) is not available yet; use grpo, dr_grpo, dapo, rloo "
-                        "or reinforce_pp")
     session = TrainingSession(config)
     policy, a = session.policy, config.algorithm
     end_ids = end_of_turn_ids(policy.tokenizer)
@@ -66,51 +65,58 @@ def run_online(config: Config) -> dict[str, Any]:
     update_gen = torch.Generator().manual_seed(config.seed)
     total = config.training.max_steps or config.training.epochs * math.ceil(len(prompts) / config.rollout.prompts_per_step)
 
-    session.start(total, PROGRESS_KEYS, config.method, updates_per_step=a.epochs * a.minibatches)
+    updates = a.epochs * a.minibatches
+    critic = build_critic(config, session, total * updates) if a.advantage == "gae" else None
+
+    session.start(total, PROGRESS_KEYS, config.method, updates_per_step=updates)
+    # No rollout buffer survives a step: after a resume the next batch is generated afresh.
     session.extra_state = lambda: {"sampler": sampler.state_dict(), "kl": kl_ctl.state_dict(),
-                                   "engine": engine.state_dict(), "update_generator": update_gen.get_state()}
+                                   "engine": engine.state_dict(), "update_generator": update_gen.get_state(),
+                                   "rollout_buffer": "regenerated",
+                                   "critic": critic.state_dict() if critic is not None else None}
     state = session.resume()
     if state is not None:
         sampler.load_state_dict(state["sampler"])
         kl_ctl.load_state_dict(state["kl"])
         engine.load_state_dict(state["engine"])
         update_gen.set_state(state["update_generator"])
+        if critic is not None:
+            critic.load_state_dict(state["critic"])
 
     settings, params = update_settings(config), sampling_params(config.rollout)
     last: dict[str, float] = {}
+    eval_metrics: dict[str, float] = {}
     try:
         while session.step < total and session.stop_signal is None:
             start = time.perf_counter()
             rollout = collect_rollout(engine, sampler, prompts, scorer, params, config.rollout.prompts_per_step,
                                       a.dynamic_sampling, a.dynamic_sampling_max_rounds)
             _check_infra(session, rollout)
-            metrics = online_step(session, rollout, reference, kl_ctl, settings, update_gen)
+            metrics = online_step(session, rollout, reference, kl_ctl, settings, update_gen, critic)
             if metrics is None:  # every update was skipped (non-finite): draw a new batch
                 continue
             session.step += 1
             metrics["time/step"] = time.perf_counter() - start
             metrics["tokens_per_s"] = metrics["completion/tokens"] / metrics["time/step"]
-            if evals and config.training.eval_every and session.step % config.training.eval_every == 0 \
-                    and session.step < total:
-                metrics.update(evaluate_prompts(engine, evals, config.eval, scorer).metrics)
+            if evals and session.eval_due():
+                eval_metrics = evaluate_prompts(engine, evals, config.eval, scorer, seed=config.seed).metrics
+                metrics.update(eval_metrics)
             _log_samples(session, rollout)
             session.log(metrics)
             last = metrics
             if session.checkpoint_due():
                 session.save_checkpoint()
-        eval_metrics = {}
-        if evals and session.stop_signal is None:
-            result = evaluate_prompts(engine, evals, config.eval, scorer)
-            eval_metrics = result.metrics
-            session.run.log_metrics({"step": session.step, **eval_metrics})
     finally:
         session.close_display()
     train_summary = {f"train/{k}": v for k, v in last.items() if k in ("reward/mean", "kl", "entropy")}
-    return session.finish({**train_summary, **eval_metrics})
+    summary = session.finish({**train_summary, **eval_metrics})
+    if critic is not None and summary["status"] == "completed":
+        critic.export(session.run.final / "critic")
+    return summary
 
 
 def online_step(session: TrainingSession, rollout: Rollout, reference: Reference | None, kl_ctl: Any,
-                s: UpdateSettings, generator: torch.Generator) -> dict[str, float] | None:
+                s: UpdateSettings, generator: torch.Generator, critic: Any = None) -> dict[str, float] | None:
     """Advantages and policy updates for one scored rollout; returns the step's metrics."""
     config, device = session.config, session.policy.device
     a = config.algorithm
@@ -138,13 +144,25 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
     beta = kl_ctl.value
     penalty = beta * kl_tok if (a.kl_in == "reward" and kl_tok is not None and beta > 0) else None
     rewards_tok = token_rewards(rollout.rewards, batch, penalty)  # [N, T]
+    value = None
+    if critic is not None:  # PPO: GAE over the critic's values, returns as its targets
+        old_values = critic_values(critic, session.policy.model, batch, a.micro_batch_size)
+        value = ValueTargets(critic, old_values, old_values, config.critic.value_clip, config.critic.value_coef,
+                             train_policy=session.step >= config.critic.warmup_steps)
     advantages, adv_metrics = ADVANTAGE_ESTIMATORS[a.advantage](
-        rewards_tok, batch.completion_mask, batch.group_ids, valid, std_floor=a.std_floor, gamma=a.gamma, lam=a.lam)
+        rewards_tok, batch.completion_mask, batch.group_ids, valid, std_floor=a.std_floor, gamma=a.gamma, lam=a.lam,
+        values=value.old_values if value else None)
     metrics.update(adv_metrics)
-    update = policy_update(session, batch, advantages, ref_lp, beta, s, generator)
+    if value is not None:
+        value.returns = advantages + value.old_values * batch.completion_mask
+        if config.critic.whiten_advantages:
+            advantages = whiten(advantages, batch.completion_mask & valid[:, None], std_floor=a.std_floor)
+        metrics["value/returns_mean"] = float(value.returns[batch.completion_mask].mean())
+    update = policy_update(session, batch, advantages, ref_lp, beta, s, generator, value)
     if update["update/optimizer_steps"] == 0 and "update/skipped_no_signal" not in update:
         return None
     metrics.update(update)
+    metrics["nonfinite_skipped"] = float(session.nonfinite_total)
     if "kl" in metrics:
         kl_ctl.update(metrics["kl"])
     metrics["time/train"] = time.perf_counter() - start

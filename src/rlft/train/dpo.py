@@ -1,0 +1,138 @@
+"""DPO (arXiv:2305.18290) and its IPO / hinge variants as an offline objective.
+
+- Sequence log-probs: the summed log-prob of each answer's target tokens (assistant text and its
+  end-of-turn token), chosen and rejected from one forward over the batch [chosen; rejected].
+- Reference: `Reference(policy)` -- the policy with adapters disabled under LoRA, else a frozen
+  copy taken before training (and before a resume loads trained weights, so it is always the
+  starting model). With `dpo.precompute_ref` every pair is scored once up front instead.
+- Normalisation: per-pair losses are summed and divided by the number of pairs in the whole
+  optimizer step, so gradient accumulation gives the gradient of one big batch.
+- `dpo.nll_coef` adds the chosen answer's NLL (mean per token, then per pair), the auxiliary term
+  of RPO (arXiv:2404.19733) that keeps DPO from lowering the chosen answers' likelihood.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rlft.algorithms.preference import PREFERENCE_LOSSES
+from rlft.data.preference import PreferenceExample, collate_pairs, read_pairs
+from rlft.models.loading import Reference
+from rlft.models.template import end_of_turn_ids
+from rlft.train.logprobs import forward_logits, selected_logprobs
+from rlft.train.session import TrainingSession
+
+
+def sequence_logprobs(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-prob of each row's target tokens, their count)  # [N], [N]
+
+    Logits are kept only from the first target position of the batch on: prompt positions would
+    cost a [N, T_prompt, V] tensor for nothing.
+    """
+    input_ids, target_mask = batch["input_ids"], batch["target_mask"]  # [N, T]
+    first = max(1, int(target_mask.float().argmax(-1).min()))  # targets are predicted from t - 1
+    keep = input_ids.shape[1] - first + 1
+    logits = forward_logits(model, input_ids, batch["attention_mask"], keep=keep)[:, :-1]  # [N, T - first, V]
+    token_logps = selected_logprobs(logits, input_ids[:, first:])  # [N, T - first]
+    mask = target_mask[:, first:].to(token_logps.dtype)
+    return (token_logps * mask).sum(-1), mask.sum(-1)
+
+
+class DpoObjective:
+    title = "dpo"
+    progress_keys = ["loss", "lr", "grad_norm", "rewards/accuracy", "rewards/margin",
+                     "eval/rewards/accuracy", "eval/rewards/margin"]
+
+    def __init__(self) -> None:
+        self.pad_id = 0
+        self.reference: Reference | None = None
+
+    def prepare(self, session: TrainingSession) -> tuple[list[PreferenceExample], list[PreferenceExample]]:
+        cfg, tok = session.config, session.policy.tokenizer
+        self.pad_id = tok.pad_token_id
+        self.loss_fn = PREFERENCE_LOSSES[cfg.dpo.loss]
+        self.beta, self.label_smoothing, self.nll_coef = cfg.dpo.beta, cfg.dpo.label_smoothing, cfg.dpo.nll_coef
+        self.chunk = cfg.training.micro_batch_size or cfg.training.batch_size
+        d = cfg.data
+        args = (tok, end_of_turn_ids(tok), d.max_length, d.max_prompt_length, d.on_invalid)
+        train, stats = read_pairs(d.train, d.split, *args, kind="preference")
+        summary = {f"data/train/{k}": v for k, v in stats.items()}
+        evals: list[PreferenceExample] = []
+        if d.eval:
+            evals, eval_stats = read_pairs(d.eval, d.eval_split or d.split, *args, kind="preference eval")
+            summary.update({f"data/eval/{k}": v for k, v in eval_stats.items()})
+        session.run.update_summary(summary)
+        self.reference = Reference(session.policy)
+        if cfg.dpo.precompute_ref:
+            for examples in (train, evals):
+                self._precompute(examples, session.policy.device)
+            self.reference = None  # a full fine-tune's frozen copy is no longer needed
+        return train, evals
+
+    def normaliser(self, examples: list[PreferenceExample]) -> float:
+        return float(len(examples))
+
+    def _batch(self, examples: list[PreferenceExample], device: torch.device) -> dict[str, torch.Tensor]:
+        return {k: v.to(device) for k, v in collate_pairs(examples, self.pad_id).items()}
+
+    @torch.no_grad()
+    def _precompute(self, examples: list[PreferenceExample], device: torch.device) -> None:
+        for i in range(0, len(examples), self.chunk):
+            chunk = examples[i:i + self.chunk]
+            with self.reference.model() as ref:
+                logps, _ = sequence_logprobs(ref, self._batch(chunk, device))
+            for e, c, r in zip(chunk, logps[:len(chunk)].tolist(), logps[len(chunk):].tolist()):
+                e.ref_chosen_logp, e.ref_rejected_logp = c, r
+
+    @torch.no_grad()
+    def _reference_logps(self, examples: list[PreferenceExample], batch: dict[str, torch.Tensor],
+                         like: torch.Tensor) -> torch.Tensor:
+        """[2B] reference log-probs in the batch's [chosen; rejected] order."""
+        if all(e.ref_chosen_logp is not None for e in examples):
+            values = [e.ref_chosen_logp for e in examples] + [e.ref_rejected_logp for e in examples]
+            return torch.tensor(values, dtype=like.dtype, device=like.device)
+        with self.reference.model() as ref:
+            return sequence_logprobs(ref, batch)[0]
+
+    def _pair_losses(self, model: Any, examples: list[PreferenceExample],
+                     ) -> tuple[torch.Tensor, dict[str, float], dict[str, torch.Tensor]]:
+        """Per-pair loss [B] with the preference metrics (means over these pairs)."""
+        batch = self._batch(examples, next(model.parameters()).device)
+        n = len(examples)
+        logps, counts = sequence_logprobs(model, batch)  # [2B]
+        ref = self._reference_logps(examples, batch, logps)  # [2B]
+        per_pair, metrics = self.loss_fn(logps[:n], logps[n:], ref[:n], ref[n:],
+                                         beta=self.beta, label_smoothing=self.label_smoothing)
+        nll = -logps[:n] / counts[:n]  # mean NLL per chosen token  # [B]
+        if self.nll_coef:
+            per_pair = per_pair + self.nll_coef * nll
+        metrics["nll/chosen"] = float(nll.detach().mean())
+        return per_pair, metrics, batch
+
+    def loss(self, model: Any, examples: list[PreferenceExample],
+             normaliser: float) -> tuple[torch.Tensor, dict[str, float]]:
+        per_pair, metrics, batch = self._pair_losses(model, examples)
+        share = len(examples) / normaliser  # means over this micro-batch -> additive over the step
+        out = {k: v * share for k, v in metrics.items()}
+        out["tokens"] = float(batch["attention_mask"].sum())
+        return per_pair.sum() / normaliser, out
+
+    @torch.no_grad()
+    def evaluate(self, session: TrainingSession, examples: list[PreferenceExample]) -> dict[str, float]:
+        """Held-out loss and preference metrics; `eval/rewards/accuracy` is the share of pairs whose
+        implicit reward beta * log(pi / ref) is higher for the chosen answer (0 at step 0, where
+        the policy is the reference and every pair ties)."""
+        model = session.policy.model
+        model.eval()
+        totals: dict[str, float] = {}
+        loss_sum = 0.0
+        for i in range(0, len(examples), self.chunk):
+            chunk = examples[i:i + self.chunk]
+            per_pair, metrics, _ = self._pair_losses(model, chunk)
+            loss_sum += float(per_pair.sum())
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + v * len(chunk)
+        n = len(examples)
+        return {"eval/loss": loss_sum / n, **{f"eval/{k}": v / n for k, v in totals.items()}}
