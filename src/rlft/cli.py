@@ -36,6 +36,25 @@ def train(
         raise typer.Exit(1)
 
 
+@app.command(help="Run training stages in order (e.g. sft -> dpo -> grpo), each from the previous stage's export.")
+def pipeline(file: Path = typer.Argument(..., help="Pipeline YAML: output_dir and stages.")) -> None:
+    from rlft.pipeline import run_pipeline
+
+    results = run_pipeline(file)
+    from rich.table import Table
+
+    table = Table(title="pipeline")
+    for col in ("stage", "status", "final model", "held-out"):
+        table.add_column(col)
+    for name, summary in results.items():
+        held = ", ".join(f"{k}={v:.3f}" for k, v in summary.items()
+                         if k.startswith("eval/") and isinstance(v, float) and "num_" not in k)
+        table.add_row(name, str(summary.get("status")), str(summary.get("final_model", "")), held[:80])
+    console.print(table)
+    if any(s.get("status") != "completed" for s in results.values()):
+        raise typer.Exit(1)
+
+
 @app.command(help="Evaluate a model folder or run directory on held-out prompts: accuracy, reward, pass@k.")
 def eval(
     target: Path = typer.Argument(..., help="Model folder, or a run directory (its final/ is used)."),
