@@ -6,6 +6,12 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.rlft-installed
+# `make bench` only: its own venv with TRL (never an rlft dependency), versions pinned together.
+BENCH_VENV := benchmarks/.venv-bench
+BENCH_BIN := $(BENCH_VENV)/bin
+BENCH_STAMP := $(BENCH_VENV)/.bench-installed
+BENCH_DEPS ?= trl==1.16.0 transformers==5.24.0 peft==0.21.2 accelerate==1.15.0 datasets==5.2.0
+BENCH_ARGS ?=
 
 .PHONY: install test test-slow demo bench clean
 
@@ -26,6 +32,17 @@ test-slow: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/rlft demo
+
+$(BENCH_STAMP): pyproject.toml Makefile
+	test -x $(BENCH_BIN)/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_BIN)/python -m pip install -q --upgrade pip
+	$(BENCH_BIN)/python -m pip install -q $(TORCH)
+	$(BENCH_BIN)/python -m pip install -q $(BENCH_DEPS) -e .
+	touch $(BENCH_STAMP)
+
+# TRL's GRPOTrainer vs rlft's GRPO on identical work; `make bench BENCH_ARGS=--quick` for a smoke run.
+bench: $(BENCH_STAMP)
+	$(BENCH_BIN)/python benchmarks/grpo_vs_trl.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) demo-output runs
