@@ -108,3 +108,25 @@ def test_pass_at_k_matches_the_combinatorial_definition():
                 assert pass_at_k(n, c, k) == pytest.approx(exact, abs=1e-12)
     with pytest.raises(ValueError):
         pass_at_k(2, 1, 3)
+
+
+def test_a_reference_completion_in_the_row_reaches_rewards_under_its_own_name(tmp_path):
+    """Held-out rows often carry the reference answer as `completion`; it must not collide with
+    the reward's positional `completion` argument."""
+    from rlft.data.loading import Row
+    from rlft.data.prompts import make_prompt_encoder
+    from rlft.models.tiny import build_tokenizer
+
+    example = make_prompt_encoder(build_tokenizer(), 64)(
+        Row("f.jsonl:1", {"prompt": "What is 1 + 1?", "completion": "It is 2.", "answer": "2"}))
+    assert example.fields == {"answer": "2", "reference_completion": "It is 2."}
+    seen = {}
+
+    def spy(prompt, completion, **row):
+        seen.update(row, completion=completion)
+        return 1.0
+
+    scorer = RewardScorer([RewardSpec(fn="exact_match")])
+    scorer.components = [("spy", spy, 1.0)]
+    scorer.score(["What is 1 + 1?"], ["2"], [dict(example.fields, completion="stray")])
+    assert seen["completion"] == "2" and seen["reference_completion"] == "It is 2."

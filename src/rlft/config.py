@@ -93,6 +93,8 @@ class RolloutConfig(Section):
     max_new_tokens: int = Field(256, ge=1, description="Longest completion; reaching it is finish reason 'length'.")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings (end-of-turn and EOS always stop).")
     batch_size: int | None = Field(None, ge=1, description="Sequences generated per forward (default: all at once).")
+    fast_decode: bool = Field(
+        True, description="hf engine: lean decode step for Llama/Qwen2/Mistral (falls back to the model's forward).")
 
 
 AdvantageName = Literal["group_norm", "group_mean", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"]

@@ -42,7 +42,11 @@ def make_prompt_encoder(tokenizer: Any, max_prompt_length: int, required: tuple[
         if len(ids) > max_prompt_length:
             raise RowError(f"prompt longer than data.max_prompt_length ({max_prompt_length} tokens)",
                            f"{len(ids)} tokens; raise data.max_prompt_length or shorten the prompt")
-        fields = {k: v for k, v in data.items() if k not in ("prompt", "messages")}
+        # Rewards are called as fn(prompt, completion, **fields): a reference answer stored as
+        # `completion` (SFT-style rows) is passed on as `reference_completion`.
+        fields = {k: v for k, v in data.items() if k not in ("prompt", "messages", "completion")}
+        if "completion" in data:
+            fields["reference_completion"] = data["completion"]
         return PromptExample(row.where, messages, ids, fields)
 
     return encode

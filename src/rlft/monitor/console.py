@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from rich.console import Console as RichConsole
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 console = RichConsole(stderr=True)
 
@@ -19,6 +19,15 @@ def fmt(value: Any) -> str:
     return str(value)
 
 
+_LABELS = {"reward/mean": "reward", "completion/length_mean": "len", "clip/high_frac": "clip+",
+           "eval/accuracy": "eval_acc", "eval/loss": "eval_loss", "eval/format_compliance": "format",
+           "grad_norm": "gnorm", "rewards/accuracy": "acc", "eval/rewards/accuracy": "eval_acc"}
+
+
+def _label(key: str) -> str:
+    return _LABELS.get(key, key.split("/")[-1])
+
+
 class ProgressDisplay:
     def __init__(self, total: int, start: int, keys: list[str], enabled: bool, title: str):
         self.keys = keys
@@ -26,17 +35,15 @@ class ProgressDisplay:
         self._progress = None
         if enabled:
             self._progress = Progress(
-                TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                TextColumn("<"), TimeRemainingColumn(), TextColumn("{task.description}"), console=console,
-                transient=False)
+                TextColumn(f"[bold]{title}"), BarColumn(bar_width=16), MofNCompleteColumn(), TimeElapsedColumn(),
+                TextColumn("{task.description}"), console=console, transient=False)
             self._task = self._progress.add_task("", total=total, completed=start)
             self._progress.start()
 
     def update(self, step: int, metrics: dict[str, Any]) -> None:
         if self._progress is None:
             return
-        text = "  ".join(f"{k.split('/')[-1] if k.count('/') == 1 else k}={fmt(metrics[k])}"
-                         for k in self.keys if k in metrics)
+        text = " ".join(f"{_label(k)}={fmt(metrics[k])}" for k in self.keys if k in metrics)
         self._progress.update(self._task, completed=step, description=text)
 
     def print(self, *args: Any) -> None:

@@ -2,8 +2,9 @@
 composition with a logged value per component.
 
 A reward function is `fn(prompt, completion, **row) -> float | None | dict[str, float | None]`:
-- `row` holds the dataset row's other fields (e.g. `answer`, `tests`) plus what the trainer knows
-  about the sample: `finish_reason` ('stop' | 'length'), `completion_tokens`, `max_new_tokens`.
+- `row` holds the dataset row's other fields (e.g. `answer`, `tests`; a reference answer stored as
+  `completion` arrives as `reference_completion`) plus what the trainer knows about the sample:
+  `finish_reason` ('stop' | 'length'), `completion_tokens`, `max_new_tokens`.
   Functions take `**kwargs` and ignore what they don't use.
 - `None` means "could not be verified" (a sandbox that failed to start, a malformed test): the
   sample is left out of its group's baseline and gets advantage 0, and it is counted.
@@ -182,7 +183,7 @@ class RewardScorer:
 
     def _run(self, fn: RewardFn, prompts, completions, rows) -> list[RewardValue]:
         def one(i: int) -> RewardValue:
-            return fn(prompts[i], completions[i], **rows[i])
+            return fn(prompts[i], completions[i], **_row_kwargs(rows[i]))
 
         batch = getattr(fn, "batch", None)
         if batch is not None:
@@ -191,6 +192,13 @@ class RewardScorer:
             return [one(i) for i in range(len(completions))]
         with ThreadPoolExecutor(max_workers=min(self.max_workers, len(completions))) as pool:
             return list(pool.map(one, range(len(completions))))
+
+
+def _row_kwargs(row: dict[str, Any]) -> dict[str, Any]:
+    """The row as keyword arguments; `prompt` / `completion` are the positional ones."""
+    if "prompt" in row or "completion" in row:
+        return {k: v for k, v in row.items() if k not in ("prompt", "completion")}
+    return row
 
 
 def _split(name: str, value: RewardValue) -> tuple[float | None, dict[str, float | None]]:

@@ -13,7 +13,8 @@ def build_engine(cfg: RolloutConfig, policy: Any, stop_ids: list[int], seed: int
     if cfg.engine == "hf":
         from rlft.rollout.hf import HFEngine
 
-        return HFEngine(policy.model, policy.tokenizer, stop_ids, policy.device, seed=seed, batch_size=cfg.batch_size)
+        return HFEngine(policy.model, policy.tokenizer, stop_ids, policy.device, seed=seed, batch_size=cfg.batch_size,
+                        fast_decode=cfg.fast_decode)
     try:
         import vllm  # noqa: F401
     except ImportError:

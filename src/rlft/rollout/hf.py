@@ -15,12 +15,13 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from rlft.rollout.base import Completion, SamplingParams
+from rlft.rollout.fast_decode import LeanDecoder
 from rlft.train.logprobs import position_ids_for
 
 
 class HFEngine:
     def __init__(self, model: Any, tokenizer: Any, stop_ids: Sequence[int], device: torch.device,
-                 seed: int = 0, batch_size: int | None = None):
+                 seed: int = 0, batch_size: int | None = None, fast_decode: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.stop_ids = torch.tensor(sorted(set(stop_ids)), device=device)
@@ -29,6 +30,7 @@ class HFEngine:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.pad_id = tokenizer.pad_token_id
+        self.fast_decode = fast_decode
         # transformers 5.x renamed `past_key_values` to `cache`; accept both.
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self._cache_kw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
@@ -66,7 +68,8 @@ class HFEngine:
         positions = position_ids_for(attention)
         out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
                          use_cache=True, logits_to_keep=1)
-        cache, logits = self._cache_of(out), out.logits[:, -1]
+        logits = out.logits[:, -1]
+        decoder = self._decoder(self._cache_of(out), width + params.max_new_tokens)
         next_pos = positions[:, -1:] + 1
         texts_needed = bool(params.stop)
 
@@ -74,7 +77,7 @@ class HFEngine:
             token, logprob = self._sample(logits, params)
             tokens[active, t], logprobs[active, t] = token, logprob
             lengths[active] += 1
-            done = torch.isin(token, self.stop_ids)
+            done = (token[:, None] == self.stop_ids).any(-1)
             if texts_needed:
                 done |= self._hit_stop_string(tokens[active, : t + 1], params.stop)
             stopped[active] |= done
@@ -85,13 +88,18 @@ class HFEngine:
                 if keep.numel() == 0:
                     break
                 active, token, attention, next_pos = active[keep], token[keep], attention[keep], next_pos[keep]
-                cache.batch_select_indices(keep)
+                decoder.select(keep)
             attention = torch.cat([attention, attention.new_ones((attention.shape[0], 1))], dim=1)
-            out = self.model(input_ids=token[:, None], attention_mask=attention, position_ids=next_pos,
-                             use_cache=True, **{self._cache_kw: cache})
-            cache, logits = self._cache_of(out), out.logits[:, -1]
+            logits = decoder.step(token, next_pos, attention)
             next_pos = next_pos + 1
         return self._completions(rows, tokens, logprobs, lengths, stopped, params)
+
+    def _decoder(self, cache: Any, capacity: int) -> Any:
+        lean = LeanDecoder.build(self.model, capacity) if self.fast_decode else None
+        if lean is None:
+            return _ModelDecoder(self.model, cache, self._cache_kw)
+        lean.load_cache(cache)
+        return _LeanAdapter(lean)
 
     @staticmethod
     def _cache_of(out: Any) -> Any:
@@ -104,6 +112,9 @@ class HFEngine:
             return token, torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)
         logits = logits / params.temperature
         logp = torch.log_softmax(logits, -1)  # the distribution the trainer's log-probs refer to
+        if not params.top_k and params.top_p >= 1.0:
+            token = self._draw(logp.exp())
+            return token, logp.gather(-1, token[:, None]).squeeze(-1)
         filtered = logits
         if params.top_k and params.top_k < logits.shape[-1]:
             kth = logits.topk(params.top_k, dim=-1).values[:, -1:]
@@ -114,9 +125,15 @@ class HFEngine:
             drop_sorted = cum - sorted_logits.softmax(-1) >= params.top_p  # keep the token crossing top_p
             drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
             filtered = filtered.masked_fill(drop, float("-inf"))
-        probs = torch.softmax(filtered, -1)
-        token = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        token = self._draw(torch.softmax(filtered, -1))
         return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+    def _draw(self, probs: torch.Tensor) -> torch.Tensor:
+        """One token per row by inverse CDF: a uniform draw against the cumulative probabilities
+        (cheaper than `torch.multinomial` for one sample; the same distribution)."""
+        cdf = probs.cumsum(-1)  # [B, V]
+        u = torch.rand((probs.shape[0], 1), generator=self.generator, device=probs.device) * cdf[:, -1:]
+        return (cdf <= u).sum(-1).clamp(max=probs.shape[-1] - 1)
 
     def _hit_stop_string(self, generated: torch.Tensor, stops: tuple[str, ...]) -> torch.Tensor:
         tail = self.tokenizer.batch_decode(generated[:, -16:], skip_special_tokens=True)
@@ -154,3 +171,30 @@ class HFEngine:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.generator.set_state(state["generator"])
+
+
+class _ModelDecoder:
+    """One token through the model's own forward and KV cache."""
+
+    def __init__(self, model: Any, cache: Any, cache_kw: str):
+        self.model, self.cache, self.cache_kw = model, cache, cache_kw
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.cache.batch_select_indices(rows)
+
+    def step(self, token: torch.Tensor, positions: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=token[:, None], attention_mask=attention, position_ids=positions,
+                         use_cache=True, **{self.cache_kw: self.cache})
+        self.cache = HFEngine._cache_of(out)
+        return out.logits[:, -1]
+
+
+class _LeanAdapter:
+    def __init__(self, lean: LeanDecoder):
+        self.lean = lean
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.lean.select(rows)
+
+    def step(self, token: torch.Tensor, positions: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        return self.lean.step(token, positions, attention.bool())
