@@ -6,7 +6,7 @@
 Work (identical for both frameworks)
 - Models built once with rlft's own builder (`rlft tiny-model --size tiny|small`, random weights,
   Qwen2 architecture, byte-level tokenizer, ChatML template) into `benchmarks/work/models/`; both
-  frameworks load the same files. Generation stops on `<|im_end|>` (the tokenizer's EOS) only.
+  frameworks load the same files. Generation stops on the checkpoint's EOS ids (`<|im_end|>`, `<|endoftext|>`).
 - Prompts: `benchmarks/prompts.jsonl` ("What is A + B?", every prompt the same length in tokens),
   rendered with the same chat template (checked token for token before TRL trains).
 - Reward: `benchmarks/rewards.py` (share of digit characters), the same function for both.

@@ -62,10 +62,8 @@ def main() -> None:
     check_prompt_ids(tokenizer, rows, model_dir)
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    # rlft stops on the chat template's end-of-turn token (<|im_end|>, the tokenizer's EOS) only; the
-    # checkpoint's generation_config also lists <|endoftext|> (the pad token), which TRL would add to
-    # its stop set. Same stop set for both.
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    # Both stop on the checkpoint's EOS set: rlft stops on the template's end-of-turn token plus the
+    # generation_config's eos ids (<|im_end|>, <|endoftext|>), which TRL reads from the same file.
     model.generation_config.pad_token_id = tokenizer.pad_token_id
 
     g, ppstep = int(spec["group_size"]), int(spec["prompts_per_step"])

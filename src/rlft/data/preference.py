@@ -27,7 +27,7 @@ import torch
 from rlft.data.loading import Row, read_rows
 from rlft.data.sft import collate_sft, encode_sft
 from rlft.data.validate import RowError, check_messages, check_rows, require_field
-from rlft.models.template import Messages, as_messages
+from rlft.models.template import Messages, as_messages, end_of_turn_ids
 
 log = logging.getLogger(__name__)
 
@@ -184,3 +184,18 @@ def read_pairs(source: str, split: str, tokenizer: Any, end_ids: list[int], max_
     encode = make_preference_encoder(tokenizer, end_ids, max_length, max_prompt_length)
     examples = check_rows(read_rows(source, split), encode, source, kind, on_invalid)
     return examples, pair_statistics(examples, source)
+
+
+def load_preference_splits(session: Any) -> tuple[list[PreferenceExample], list[PreferenceExample]]:
+    """A run's train and eval pairs (`data.train`, `data.eval`), validated and encoded; their pair
+    statistics go into the run's summary.json as `data/train/...` and `data/eval/...`."""
+    tok, d = session.policy.tokenizer, session.config.data
+    args = (tok, end_of_turn_ids(tok), d.max_length, d.max_prompt_length, d.on_invalid)
+    train, stats = read_pairs(d.train, d.split, *args, kind="preference")
+    summary = {f"data/train/{k}": v for k, v in stats.items()}
+    evals: list[PreferenceExample] = []
+    if d.eval:
+        evals, eval_stats = read_pairs(d.eval, d.eval_split or d.split, *args, kind="preference eval")
+        summary.update({f"data/eval/{k}": v for k, v in eval_stats.items()})
+    session.run.update_summary(summary)
+    return train, evals

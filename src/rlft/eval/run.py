@@ -13,9 +13,8 @@ from rlft.data.validate import check_rows
 from rlft.errors import RlftError
 from rlft.eval.generation import EvalResult, evaluate_prompts
 from rlft.models.loading import load_policy
-from rlft.models.template import end_of_turn_ids
 from rlft.rewards.base import RewardScorer
-from rlft.rollout.hf import HFEngine
+from rlft.rollout.hf import HFEngine, generation_stop_ids
 
 
 def resolve_model(target: str | Path) -> tuple[Path, Path | None]:
@@ -36,8 +35,8 @@ def evaluate_model(target: str | Path, data: str, rewards: list[RewardSpec], cfg
     encode = make_prompt_encoder(policy.tokenizer, max_prompt_length)
     examples = check_rows(read_rows(data, split), encode, data, "eval prompt")
     scorer = RewardScorer(rewards) if rewards else None
-    engine = HFEngine(policy.model, policy.tokenizer, end_of_turn_ids(policy.tokenizer), policy.device, seed=seed,
-                      batch_size=cfg.batch_size)
+    stop_ids = generation_stop_ids(policy.model, policy.tokenizer)
+    engine = HFEngine(policy.model, policy.tokenizer, stop_ids, policy.device, seed=seed, batch_size=cfg.batch_size)
     result = evaluate_prompts(engine, examples, cfg, scorer, prefix=prefix, seed=seed)
     if run_dir is not None and write_summary:
         from rlft.train.rundir import RunDir

@@ -14,9 +14,23 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from rlft.models.template import end_of_turn_ids
 from rlft.rollout.base import Completion, SamplingParams
 from rlft.rollout.fast_decode import LeanDecoder
 from rlft.train.logprobs import position_ids_for
+
+
+def generation_stop_ids(model: Any, tokenizer: Any) -> list[int]:
+    """Stop on the chat template's end-of-turn token and EOS, and on every EOS id the checkpoint's
+    generation_config declares (as `model.generate` would), so rlft samples stop where other tools'
+    do on the same checkpoint."""
+    ids = list(end_of_turn_ids(tokenizer))
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    declared = getattr(getattr(base, "generation_config", None), "eos_token_id", None)
+    for tok in [declared] if isinstance(declared, int) else list(declared or []):
+        if tok not in ids:
+            ids.append(tok)
+    return ids
 
 
 class HFEngine:

@@ -18,9 +18,8 @@ from typing import Any
 import torch
 
 from rlft.algorithms.preference import PREFERENCE_LOSSES
-from rlft.data.preference import PreferenceExample, collate_pairs, read_pairs
+from rlft.data.preference import PreferenceExample, collate_pairs, load_preference_splits
 from rlft.models.loading import Reference
-from rlft.models.template import end_of_turn_ids
 from rlft.train.logprobs import forward_logits, selected_logprobs
 from rlft.train.session import TrainingSession
 
@@ -55,15 +54,7 @@ class DpoObjective:
         self.loss_fn = PREFERENCE_LOSSES[cfg.dpo.loss]
         self.beta, self.label_smoothing, self.nll_coef = cfg.dpo.beta, cfg.dpo.label_smoothing, cfg.dpo.nll_coef
         self.chunk = cfg.training.micro_batch_size or cfg.training.batch_size
-        d = cfg.data
-        args = (tok, end_of_turn_ids(tok), d.max_length, d.max_prompt_length, d.on_invalid)
-        train, stats = read_pairs(d.train, d.split, *args, kind="preference")
-        summary = {f"data/train/{k}": v for k, v in stats.items()}
-        evals: list[PreferenceExample] = []
-        if d.eval:
-            evals, eval_stats = read_pairs(d.eval, d.eval_split or d.split, *args, kind="preference eval")
-            summary.update({f"data/eval/{k}": v for k, v in eval_stats.items()})
-        session.run.update_summary(summary)
+        train, evals = load_preference_splits(session)
         self.reference = Reference(session.policy)
         if cfg.dpo.precompute_ref:
             for examples in (train, evals):

@@ -28,12 +28,17 @@ def forward_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return out.logits, (last[:, -keep:] if keep else last)
 
 
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 logits to float32 for the softmax; float64 (exactness tests) stays float64."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def selected_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                       chunk_rows: int = 16) -> torch.Tensor:
     """log softmax(logits / temperature)[target] per position: `[B, T, V], [B, T] -> [B, T]` float32."""
     out = []
     for start in range(0, logits.shape[0], chunk_rows):
-        block = logits[start:start + chunk_rows].float()
+        block = _upcast(logits[start:start + chunk_rows])
         if temperature != 1.0:
             block = block / temperature
         picked = block.gather(-1, targets[start:start + chunk_rows, :, None]).squeeze(-1)
@@ -45,7 +50,7 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, chunk_ro
     """Entropy of softmax(logits / temperature) per position: `[B, T, V] -> [B, T]` float32."""
     out = []
     for start in range(0, logits.shape[0], chunk_rows):
-        block = logits[start:start + chunk_rows].float()
+        block = _upcast(logits[start:start + chunk_rows])
         if temperature != 1.0:
             block = block / temperature
         logp = F.log_softmax(block, dim=-1)
@@ -81,4 +86,4 @@ def sft_token_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     logits = forward_logits(model, input_ids, attention_mask)  # [B, T, V]
     mask = target_mask[:, 1:]
     picked = logits[:, :-1][mask]  # [n_targets, V]: only target rows are upcast
-    return F.cross_entropy(picked.float(), input_ids[:, 1:][mask], reduction="sum")
+    return F.cross_entropy(_upcast(picked), input_ids[:, 1:][mask], reduction="sum")

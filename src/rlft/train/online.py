@@ -22,10 +22,10 @@ from rlft.data.validate import check_rows
 from rlft.errors import TrainingHalted
 from rlft.eval.generation import evaluate_prompts
 from rlft.models.loading import Reference
-from rlft.models.template import end_of_turn_ids
 from rlft.rewards.base import RewardScorer
 from rlft.rollout import build_engine, sampling_params
 from rlft.rollout.batch import RolloutBatch
+from rlft.rollout.hf import generation_stop_ids
 from rlft.train.critic import build_critic
 from rlft.train.rl_update import (UpdateSettings, ValueTargets, critic_values, policy_update, reference_logprobs,
                                   token_rewards)
@@ -53,7 +53,7 @@ def update_settings(config: Config) -> UpdateSettings:
 def run_online(config: Config) -> dict[str, Any]:
     session = TrainingSession(config)
     policy, a = session.policy, config.algorithm
-    end_ids = end_of_turn_ids(policy.tokenizer)
+    end_ids = generation_stop_ids(policy.model, policy.tokenizer)
     prompts = load_prompts(config, policy.tokenizer, config.data.train, config.data.split, "prompt")
     evals = (load_prompts(config, policy.tokenizer, config.data.eval, config.data.eval_split or config.data.split,
                           "eval prompt") if config.data.eval else [])

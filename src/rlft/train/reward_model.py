@@ -19,9 +19,8 @@ from typing import Any
 import torch
 
 from rlft.algorithms.preference import bradley_terry
-from rlft.data.preference import PreferenceExample, collate_pairs, read_pairs
+from rlft.data.preference import PreferenceExample, collate_pairs, load_preference_splits
 from rlft.models.loading import load_reward_model
-from rlft.models.template import end_of_turn_ids
 from rlft.train.session import TrainingSession
 
 
@@ -44,15 +43,7 @@ class RewardModelObjective:
         self.pad_id = tok.pad_token_id
         self.default_margin, self.center_coef = cfg.reward_model.margin, cfg.reward_model.center_coef
         self.chunk = cfg.training.micro_batch_size or cfg.training.batch_size
-        d = cfg.data
-        args = (tok, end_of_turn_ids(tok), d.max_length, d.max_prompt_length, d.on_invalid)
-        train, stats = read_pairs(d.train, d.split, *args, kind="preference")
-        summary = {f"data/train/{k}": v for k, v in stats.items()}
-        evals: list[PreferenceExample] = []
-        if d.eval:
-            evals, eval_stats = read_pairs(d.eval, d.eval_split or d.split, *args, kind="preference eval")
-            summary.update({f"data/eval/{k}": v for k, v in eval_stats.items()})
-        session.run.update_summary(summary)
+        train, evals = load_preference_splits(session)
         return train, evals
 
     def normaliser(self, examples: list[PreferenceExample]) -> float:

@@ -15,7 +15,7 @@ from rlft.data.validate import check_rows
 from rlft.eval.generation import evaluate_prompts
 from rlft.models.template import encode_prompt, end_of_turn_ids
 from rlft.rewards.base import RewardScorer
-from rlft.rollout.hf import HFEngine
+from rlft.rollout.hf import HFEngine, generation_stop_ids
 from rlft.train.logprobs import sft_token_nll
 from rlft.train.session import TrainingSession
 
@@ -64,7 +64,8 @@ class SftObjective:
             total += float(sft_token_nll(model, batch["input_ids"], batch["attention_mask"], batch["target_mask"]))
             count += self.normaliser(chunk)
         metrics = {"eval/loss": total / count, "eval/perplexity": math.exp(min(total / count, 50.0))}
-        engine = HFEngine(model, session.policy.tokenizer, self.end_ids, session.policy.device,
+        tok = session.policy.tokenizer
+        engine = HFEngine(model, tok, generation_stop_ids(model, tok), session.policy.device,
                           seed=session.config.seed, batch_size=session.config.eval.batch_size)
         prompts = [PromptExample(e.where, e.prompt_messages, encode_prompt(session.policy.tokenizer, e.prompt_messages),
                                  e.fields) for e in examples]
