@@ -25,6 +25,7 @@ class SeparateCritic:
     head is reused) or the policy checkpoint (new head); its own AdamW and schedule."""
 
     needs_policy_hidden = False
+    shares_policy_optimizer = False
 
     def __init__(self, config: Config, device: torch.device, pad_token_id: int, total_updates: int):
         from transformers import AutoConfig, AutoModelForTokenClassification
@@ -87,6 +88,7 @@ class SharedValueHead(nn.Module):
     with the value loss added to the policy loss (scaled by `critic.value_coef`)."""
 
     needs_policy_hidden = True
+    shares_policy_optimizer = True
 
     def __init__(self, hidden_size: int, device: torch.device):
         super().__init__()

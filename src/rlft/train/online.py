@@ -118,20 +118,11 @@ def run_online(config: Config) -> dict[str, Any]:
 def online_step(session: TrainingSession, rollout: Rollout, reference: Reference | None, kl_ctl: Any,
                 s: UpdateSettings, generator: torch.Generator, critic: Any = None) -> dict[str, float] | None:
     """Advantages and policy updates for one scored rollout; returns the step's metrics."""
-    config, device = session.config, session.policy.device
-    a = config.algorithm
-    metrics: dict[str, float] = {**rollout.scores.metrics(), **rollout.metrics}
-    metrics["reward/infra_error_rate"] = metrics.pop("reward/unverifiable_frac")
-    lengths = [len(c.completion_ids) for c in rollout.completions]
-    metrics.update({"completion/length_mean": sum(lengths) / max(len(lengths), 1),
-                    "completion/length_max": float(max(lengths, default=0)),
-                    "completion/truncation_rate": sum(c.finish_reason == "length" for c in rollout.completions)
-                    / max(len(lengths), 1),
-                    "completion/tokens": float(sum(lengths)), "lr": session.lr, "beta": kl_ctl.value})
+    metrics = _rollout_metrics(session, rollout, kl_ctl.value)
     if not rollout.completions:
         return {**metrics, "update/skipped_no_signal": 1.0}
-
     start = time.perf_counter()
+    a, device = session.config.algorithm, session.policy.device
     batch = RolloutBatch.from_completions(rollout.completions, rollout.group_ids, session.policy.tokenizer.pad_token_id,
                                           device)
     valid = torch.tensor([r is not None for r in rollout.rewards], device=device)
@@ -139,25 +130,11 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
     if reference is not None:
         ref_lp = reference_logprobs(reference, batch, s.temperature, a.micro_batch_size)
         kl_tok = KL_ESTIMATORS[a.kl_estimator](batch.sampling_logprobs, ref_lp)  # [N, T]
-        kl_mean = float((kl_tok * batch.completion_mask).sum() / batch.completion_mask.sum().clamp(min=1))
-        metrics["kl"] = kl_mean
+        metrics["kl"] = float((kl_tok * batch.completion_mask).sum() / batch.completion_mask.sum().clamp(min=1))
     beta = kl_ctl.value
     penalty = beta * kl_tok if (a.kl_in == "reward" and kl_tok is not None and beta > 0) else None
     rewards_tok = token_rewards(rollout.rewards, batch, penalty)  # [N, T]
-    value = None
-    if critic is not None:  # PPO: GAE over the critic's values, returns as its targets
-        old_values = critic_values(critic, session.policy.model, batch, a.micro_batch_size)
-        value = ValueTargets(critic, old_values, old_values, config.critic.value_clip, config.critic.value_coef,
-                             train_policy=session.step >= config.critic.warmup_steps)
-    advantages, adv_metrics = ADVANTAGE_ESTIMATORS[a.advantage](
-        rewards_tok, batch.completion_mask, batch.group_ids, valid, std_floor=a.std_floor, gamma=a.gamma, lam=a.lam,
-        values=value.old_values if value else None)
-    metrics.update(adv_metrics)
-    if value is not None:
-        value.returns = advantages + value.old_values * batch.completion_mask
-        if config.critic.whiten_advantages:
-            advantages = whiten(advantages, batch.completion_mask & valid[:, None], std_floor=a.std_floor)
-        metrics["value/returns_mean"] = float(value.returns[batch.completion_mask].mean())
+    advantages, value = _advantages(session, batch, rewards_tok, valid, critic, metrics)
     update = policy_update(session, batch, advantages, ref_lp, beta, s, generator, value)
     if update["update/optimizer_steps"] == 0 and "update/skipped_no_signal" not in update:
         return None
@@ -170,6 +147,40 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
         session.print(f"[yellow]warning: mean importance ratio {metrics['ratio/mean']:.2f} > {RATIO_DRIFT}: the rollout "
                       "weights drift from the trained weights (off-policy); check engine weight sync")
     return metrics
+
+
+def _rollout_metrics(session: TrainingSession, rollout: Rollout, beta: float) -> dict[str, float]:
+    metrics: dict[str, float] = {**rollout.scores.metrics(), **rollout.metrics}
+    metrics["reward/infra_error_rate"] = metrics.pop("reward/unverifiable_frac")
+    lengths = [len(c.completion_ids) for c in rollout.completions]
+    n = max(len(lengths), 1)
+    metrics.update({"completion/length_mean": sum(lengths) / n, "completion/length_max": float(max(lengths, default=0)),
+                    "completion/truncation_rate": sum(c.finish_reason == "length" for c in rollout.completions) / n,
+                    "completion/tokens": float(sum(lengths)), "lr": session.lr, "beta": beta})
+    return metrics
+
+
+def _advantages(session: TrainingSession, batch: RolloutBatch, rewards_tok: torch.Tensor, valid: torch.Tensor,
+                critic: Any, metrics: dict[str, float]) -> tuple[torch.Tensor, ValueTargets | None]:
+    """The configured estimator's advantages; for PPO, GAE over the critic's values, with the
+    returns as the critic's targets and (optionally) whitened advantages for the policy."""
+    config = session.config
+    a = config.algorithm
+    value = None
+    if critic is not None:
+        old_values = critic_values(critic, session.policy.model, batch, a.micro_batch_size)
+        value = ValueTargets(critic, old_values, old_values, config.critic.value_clip, config.critic.value_coef,
+                             train_policy=session.step >= config.critic.warmup_steps)
+    advantages, adv_metrics = ADVANTAGE_ESTIMATORS[a.advantage](
+        rewards_tok, batch.completion_mask, batch.group_ids, valid, std_floor=a.std_floor, gamma=a.gamma, lam=a.lam,
+        values=value.old_values if value else None)
+    metrics.update(adv_metrics)
+    if value is not None:
+        value.returns = advantages + value.old_values * batch.completion_mask
+        if config.critic.whiten_advantages:
+            advantages = whiten(advantages, batch.completion_mask & valid[:, None], std_floor=a.std_floor)
+        metrics["value/returns_mean"] = float(value.returns[batch.completion_mask].mean())
+    return advantages, value
 
 
 def _check_infra(session: TrainingSession, rollout: Rollout) -> None:

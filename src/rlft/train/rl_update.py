@@ -131,7 +131,7 @@ def policy_update(session: TrainingSession, batch: RolloutBatch, advantages: tor
                 stats.add(m, float(mask.sum()))
             if value is not None:
                 stats.add(value.critic.step(), 1.0)
-            if value is not None and not value.train_policy and not isinstance(value.critic, torch.nn.Module):
+            if value is not None and not value.train_policy and not value.critic.shares_policy_optimizer:
                 session.optimizer.zero_grad(set_to_none=True)  # warm-up: the policy has no gradient anyway
                 applied_steps += 1
                 continue
@@ -172,7 +172,7 @@ def _micro_loss(model: Any, sub: RolloutBatch, rows: torch.Tensor, mask: torch.T
     value_tok, vm = clipped_value_loss(values, value.old_values[rows, :t], value.returns[rows, :t], mask,
                                        clip=value.clip)
     value_loss = aggregate(value_tok, mask, "token_mean", num_tokens=norms["num_tokens"])
-    weight = value.coef if isinstance(value.critic, torch.nn.Module) else 1.0  # a separate critic has its own optimizer
+    weight = value.coef if value.critic.shares_policy_optimizer else 1.0  # a separate critic has its own optimizer
     return loss + weight * value_loss, {**m, **vm, "value/loss": float(value_loss.detach()) * norms["num_tokens"]
                                         / max(float(mask.sum()), 1.0)}
 
