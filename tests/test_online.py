@@ -240,3 +240,28 @@ def test_eval_command_writes_pass_at_k_into_the_run_summary(setup):
     summary = json.loads((run / "summary.json").read_text())
     assert 0.0 <= summary["eval/pass@1"] <= summary["eval/pass@4"] <= 1.0
     assert len((setup / "eval.jsonl").read_text().splitlines()) == 16 * 4
+
+
+@pytest.mark.parametrize("reward, shown", [(1.158409321308136, "reward 1.16"), (None, "reward unverifiable")])
+def test_sample_lines_show_model_text_verbatim(reward, shown):
+    # a completion is model output: "[/]" or "[bold]" in it must print as text, not as console markup
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from rlft.train.online import _log_samples
+
+    out = io.StringIO()
+    console = Console(file=out, width=400)
+    logged = []
+    session = SimpleNamespace(step=10, config=SimpleNamespace(logging=SimpleNamespace(num_samples=1, sample_every=5)),
+                              run=SimpleNamespace(log_samples=logged.extend), print=console.print)
+    rollout = SimpleNamespace(
+        completions=[SimpleNamespace(text="see [/] and [bold]x[/bold]", finish_reason="stop")],
+        examples=[SimpleNamespace(where="train.jsonl:3", prompt_text="What is [1+1]?")],
+        rewards=[reward], scores=SimpleNamespace(components={"correct": [reward]}))
+    _log_samples(session, rollout)
+    text = out.getvalue()
+    assert shown in text and "see [/] and [bold]x[/bold]" in text and "What is [1+1]?" in text
+    assert logged[0]["reward"] == reward and logged[0]["completion"] == "see [/] and [bold]x[/bold]"

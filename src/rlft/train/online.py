@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import torch
+from rich.markup import escape
 
 from rlft.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, make_kl_controller, whiten
 from rlft.config import Config
@@ -210,5 +211,7 @@ def _log_samples(session: TrainingSession, rollout: Rollout) -> None:
     session.run.log_samples(records)
     if records:
         r = records[0]
-        session.print(f"[dim]step {session.step} sample (reward {r['reward']}): {r['prompt'][:60]!r} -> "
-                      f"{r['completion'][:100]!r}")
+        reward = "unverifiable" if r["reward"] is None else f"{r['reward']:.3g}"
+        # model text is escaped: a completion holding "[/]" must not be read as console markup
+        session.print(f"[dim]step {session.step} sample (reward {reward}): {escape(repr(r['prompt'][:60]))} -> "
+                      f"{escape(repr(r['completion'][:100]))}")
