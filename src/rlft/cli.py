@@ -36,6 +36,12 @@ def train(
         raise typer.Exit(1)
 
 
+# what a pipeline's summary table shows per stage (the first three a stage has); all of them are
+# in each stage's summary.json
+HEADLINE_METRICS = ("accuracy", "rewards/accuracy", "margin", "rewards/margin", "reward_mean",
+                    "format_compliance", "loss")
+
+
 @app.command(help="Run training stages in order (e.g. sft -> dpo -> grpo), each from the previous stage's export.")
 def pipeline(file: Path = typer.Argument(..., help="Pipeline YAML: output_dir and stages.")) -> None:
     from rlft.pipeline import run_pipeline
@@ -47,9 +53,9 @@ def pipeline(file: Path = typer.Argument(..., help="Pipeline YAML: output_dir an
     for col in ("stage", "status", "final model", "held-out"):
         table.add_column(col)
     for name, summary in results.items():
-        held = ", ".join(f"{k}={v:.3f}" for k, v in summary.items()
-                         if k.startswith("eval/") and isinstance(v, float) and "num_" not in k)
-        table.add_row(name, str(summary.get("status")), str(summary.get("final_model", "")), held[:80])
+        held = [f"{k}={summary['eval/' + k]:.3f}" for k in HEADLINE_METRICS
+                if isinstance(summary.get("eval/" + k), (int, float))][:3]
+        table.add_row(name, str(summary.get("status")), str(summary.get("final_model", "")), "\n".join(held))
     console.print(table)
     if any(s.get("status") != "completed" for s in results.values()):
         raise typer.Exit(1)

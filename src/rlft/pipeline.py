@@ -9,21 +9,32 @@ earlier stage's export (seed 002 §2.4: e.g. sft -> dpo -> grpo, or sft -> rewar
 
 A stage starts from the previous stage's `final/` (or from the stage named in `from:`), and
 `{name}` anywhere in its overrides or inline config is replaced by that stage's `final/` path
-(e.g. `rewards.0.args.path={reward_model}`). Completed stages are skipped on a re-run, so a
-pipeline continues where it stopped; an unfinished stage resumes from its checkpoints.
+(e.g. `rewards.0.args.path={reward_model}`). A config file is looked up from the working
+directory, then beside the pipeline file.
+
+Every stage's config is built and validated before the first stage runs (each stage's `final/`
+path is known in advance), so a typo in the last stage fails in seconds, not after hours of
+training. Completed stages are skipped on a re-run, so a pipeline continues where it stopped; an
+unfinished stage resumes from its checkpoints; a completed stage whose config has changed since
+stops the pipeline rather than being silently reused.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rlft.config import load_config
+from rlft.config import Config, load_config
 from rlft.errors import ConfigError
+from rlft.train.rundir import RunDir
+
+
+STAGE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
 class Stage(BaseModel):
@@ -52,6 +63,10 @@ def load_pipeline(path: str | Path) -> tuple[Pipeline, Path]:
     names = [s.name for s in pipeline.stages]
     if not names or len(set(names)) != len(names):
         raise ConfigError(f"{path}: stages need unique names (got {names})")
+    bad = [n for n in names if not STAGE_NAME.fullmatch(n)]
+    if bad:
+        raise ConfigError(f"{path}: stage names become directory names; use letters, digits, '_', '-' and '.' "
+                          f"(got {bad})")
     return pipeline, path.parent
 
 
@@ -67,46 +82,81 @@ def _substitute(value: Any, finals: dict[str, str]) -> Any:
     return value
 
 
-def stage_config(stage: Stage, pipeline: Pipeline, previous: str | None, finals: dict[str, str]):
-    if isinstance(stage.config, dict):
-        source = stage.config
-    elif Path(stage.config).is_file():
-        source = yaml.safe_load(Path(stage.config).read_text()) or {}
-    else:
-        raise ConfigError(f"stage {stage.name}: config file not found: {stage.config}")
+def _read_stage_file(stage: Stage, base: Path) -> dict[str, Any]:
+    for candidate in (Path(stage.config), base / stage.config):
+        if candidate.is_file():
+            try:
+                return yaml.safe_load(candidate.read_text()) or {}
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"stage {stage.name}: {candidate} is not valid YAML: {exc}") from None
+    raise ConfigError(f"stage {stage.name}: config file not found: {stage.config} "
+                      f"(looked in the working directory and in {base})")
+
+
+def stage_config(stage: Stage, pipeline: Pipeline, previous: str | None, finals: dict[str, str],
+                 base: Path = Path(".")) -> Config:
+    source = stage.config if isinstance(stage.config, dict) else _read_stage_file(stage, base)
     raw = _substitute(source, finals)
     overrides = [_substitute(o, finals) for o in stage.overrides]
     overrides.append(f"output_dir={Path(pipeline.output_dir) / stage.name}")
     start = stage.start_from if stage.start_from is not None else previous
     if start not in (None, "none"):
         if start not in finals:
-            raise ConfigError(f"stage {stage.name}: from: {start!r} is not an earlier stage ({', '.join(finals)})")
+            earlier = ", ".join(finals) or "none"
+            raise ConfigError(f"stage {stage.name}: from: {start!r} is not an earlier stage (earlier: {earlier})")
         overrides.append(f"model.path={finals[start]}")
-    return load_config(raw, overrides)
+    try:
+        return load_config(raw, overrides)
+    except ConfigError as exc:
+        where = "inline config" if isinstance(stage.config, dict) else stage.config
+        raise ConfigError(f"stage {stage.name} ({where}): {exc}") from None
+
+
+def plan_pipeline(path: str | Path) -> tuple[Pipeline, list[tuple[Stage, Config]]]:
+    """Every stage's resolved config, validated, before anything runs."""
+    pipeline, base = load_pipeline(path)
+    root = Path(pipeline.output_dir)
+    finals: dict[str, str] = {}
+    planned, previous = [], None
+    for stage in pipeline.stages:
+        planned.append((stage, stage_config(stage, pipeline, previous, finals, base)))
+        finals[stage.name] = str(root / stage.name / "final")
+        previous = stage.name
+    return pipeline, planned
+
+
+def _completed(stage: Stage, cfg: Config) -> dict[str, Any] | None:
+    """The summary of a stage that already completed with this config; None if it has not run
+    to completion. A completed stage whose config has changed is an error, not a skip."""
+    run = RunDir(cfg.output_dir)
+    if not run.summary_path.is_file():
+        return None
+    summary = json.loads(run.summary_path.read_text())
+    if summary.get("status") != "completed":
+        return None
+    changed = run.config_changes(cfg) if run.config_path.is_file() else []
+    if changed:
+        raise ConfigError(
+            f"stage {stage.name}: {run.root} completed with a different config ({', '.join(changed[:5])}).\n"
+            f"Fix: delete {run.root} (and the stages after it) to train it again, or set another output_dir")
+    return summary
 
 
 def run_pipeline(path: str | Path) -> dict[str, Any]:
     from rlft.api import train
     from rlft.monitor.console import console
 
-    pipeline, _ = load_pipeline(path)
+    pipeline, planned = plan_pipeline(path)
     root = Path(pipeline.output_dir)
     root.mkdir(parents=True, exist_ok=True)
-    finals: dict[str, str] = {}
     results: dict[str, Any] = {}
-    previous = None
-    for i, stage in enumerate(pipeline.stages, start=1):
-        cfg = stage_config(stage, pipeline, previous, finals)
-        run = Path(cfg.output_dir)
-        summary_path = run / "summary.json"
-        done = summary_path.is_file() and json.loads(summary_path.read_text()).get("status") == "completed"
-        console.rule(f"[bold]stage {i}/{len(pipeline.stages)}: {stage.name} ({cfg.method})"
+    for i, (stage, cfg) in enumerate(planned, start=1):
+        done = _completed(stage, cfg)
+        console.rule(f"[bold]stage {i}/{len(planned)}: {stage.name} ({cfg.method})"
                      + (" - already complete, skipped" if done else ""))
-        summary = json.loads(summary_path.read_text()) if done else train(cfg)
+        summary = done if done is not None else train(cfg)
         results[stage.name] = summary
         if summary.get("status") != "completed":
             break
-        finals[stage.name] = str(run / "final")
-        previous = stage.name
     (root / "pipeline_summary.json").write_text(json.dumps(results, indent=2, default=str))
     return results

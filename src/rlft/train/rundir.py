@@ -8,7 +8,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-from rlft.config import Config, dump_config
+from rlft.config import Config, dump_config, load_config
+
+# Settings that may differ when an existing run directory is continued.
+MAY_CHANGE = {"training.max_steps", "training.epochs", "checkpoint", "logging", "training.num_threads",
+              "training.eval_every", "output_dir"}
 
 
 class RunDir:
@@ -44,6 +48,14 @@ class RunDir:
         self.checkpoints.mkdir(exist_ok=True)
         dump_config(config, self.config_path)
 
+    def config_changes(self, config: Config) -> list[str]:
+        """Dotted fields where `config` differs from the saved config.yaml, besides those a
+        continued run may change (MAY_CHANGE)."""
+        # re-validated, so fields added by a newer rlft compare as their defaults
+        saved = load_config(self.config_path).model_dump(mode="json")
+        diffs = _flat_diff(saved, config.model_dump(mode="json"))
+        return [k for k in diffs if not any(k == p or k.startswith(p + ".") for p in MAY_CHANGE)]
+
     def log_metrics(self, record: dict[str, Any]) -> None:
         _append_jsonl(self.metrics_path, record)
 
@@ -73,6 +85,15 @@ class RunDir:
         tmp.write_text(json.dumps(_clean(summary), indent=2))
         tmp.replace(self.summary_path)
         return summary
+
+
+def _flat_diff(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for key in sorted(set(a) | set(b)):
+            out += _flat_diff(a.get(key), b.get(key), f"{prefix}{key}.")
+        return out
+    return [] if a == b else [prefix.rstrip(".")]
 
 
 def _clean(value: Any) -> Any:

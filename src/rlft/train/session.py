@@ -13,7 +13,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from rlft.config import Config, LoraConfig, ModelConfig, load_config
+from rlft.config import Config, LoraConfig, ModelConfig
 from rlft.errors import ResumeError, TrainingHalted
 from rlft.models.loading import LoadedModel, export_model, load_policy
 from rlft.models.template import check_template
@@ -23,11 +23,6 @@ from rlft.train.optim import build_optimizer, build_scheduler, clip_gradients
 from rlft.train.rundir import RunDir
 
 log = logging.getLogger(__name__)
-
-# Settings that may differ when an existing run directory is continued.
-_MAY_CHANGE = {"training.max_steps", "training.epochs", "checkpoint", "logging", "training.num_threads",
-               "training.eval_every", "output_dir"}
-
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -63,10 +58,7 @@ class TrainingSession:
         # Only a checkpoint makes a run worth protecting: an attempt that stopped before its first
         # one (bad data, template mismatch) is restarted from scratch by `resume()` anyway.
         if self.run.config_path.exists() and ckpt.find_latest(self.run.checkpoints) is not None:
-            # Re-validated, so fields added by a newer rlft compare as their defaults.
-            saved = load_config(self.run.config_path).model_dump(mode="json")
-            now = self.config.model_dump(mode="json")
-            diffs = [k for k in _flat_diff(saved, now) if not any(k == p or k.startswith(p + ".") for p in _MAY_CHANGE)]
+            diffs = self.run.config_changes(self.config)
             if diffs:
                 raise ResumeError(
                     f"{self.run.root} already holds a run with a different config ({', '.join(diffs[:5])}).\n"
@@ -230,12 +222,3 @@ class TrainingSession:
         if self.display is not None:
             self.display.close()
             self.display = None
-
-
-def _flat_diff(a: Any, b: Any, prefix: str = "") -> list[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = []
-        for key in sorted(set(a) | set(b)):
-            out += _flat_diff(a.get(key), b.get(key), f"{prefix}{key}.")
-        return out
-    return [] if a == b else [prefix.rstrip(".")]
