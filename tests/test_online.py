@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from rlft.api import train
 from rlft.config import load_config
-from rlft.errors import ConfigError, TrainingHalted
+from rlft.errors import ConfigError, DataError, TrainingHalted
 from rlft.models.tiny import build_tiny_model
 
 REWARDS = '''
@@ -265,3 +265,47 @@ def test_sample_lines_show_model_text_verbatim(reward, shown):
     text = out.getvalue()
     assert shown in text and "see [/] and [bold]x[/bold]" in text and "What is [1+1]?" in text
     assert logged[0]["reward"] == reward and logged[0]["completion"] == "see [/] and [bold]x[/bold]"
+
+
+def test_prompt_rows_are_checked_before_training_with_the_fields_the_rewards_need(setup, tmp_path):
+    # one bad row per defect class; `answer` is needed by the math reward (built-in, field=answer)
+    # and `hint` by a user function whose parameter has no default
+    (tmp_path / "needs.py").write_text("def uses_hint(prompt, completion, hint, finish_reason, *, scale, **row):\n"
+                                      "    return 0.0\n")
+    lines = [json.dumps({"prompt": "What is 1 + 1?", "answer": "2", "hint": "h"}),
+             '{"prompt": "What is 2 + 2?", "answer": ',                                    # 2: bad JSON
+             json.dumps({"question": "What is 3 + 3?", "answer": "6", "hint": "h"}),       # 3: no prompt
+             json.dumps({"prompt": 44, "answer": "8", "hint": "h"}),                       # 4: wrong type
+             json.dumps({"prompt": "   ", "answer": "0", "hint": "h"}),                    # 5: empty prompt
+             json.dumps({"prompt": "What is 5 + 5?", "hint": "h"}),                        # 6: no answer
+             json.dumps({"prompt": "What is 6 + 6?", "answer": "12"}),                     # 7: no hint
+             json.dumps({"prompt": "add " * 200, "answer": "1", "hint": "h"}),             # 8: too long
+             json.dumps({"prompt": [{"role": "user"}], "answer": "1", "hint": "h"}),       # 9: malformed turns
+             json.dumps({"prompt": "What is 9 + 9?", "answer": "18", "hint": "h"})]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    cfg = _config(setup, "bad-prompts", data={"train": str(data), "max_prompt_length": 64})
+    cfg["rewards"] = [{"fn": "math"}, {"fn": f"{tmp_path / 'needs.py'}:uses_hint", "args": {"scale": 2.0}}]
+    with pytest.raises(DataError) as info:
+        train(cfg)
+    message = str(info.value)
+    assert f"{data}: 8 of 10 prompt rows are invalid" in message
+    expected = {2: "bad JSON", 3: "missing field 'prompt'", 4: "wrong type for 'prompt'", 5: "empty 'prompt'",
+                6: "missing field 'answer'", 7: "missing field 'hint'", 8: "prompt longer than data.max_prompt_length",
+                9: "malformed 'prompt'"}
+    for line, reason in expected.items():
+        assert reason in message and f"{data}:{line}" in message, (line, reason, message)
+    assert f"{data}:1\n" not in message and f"{data}:10" not in message
+    assert "data.on_invalid=drop" in message
+    assert not (setup / "runs" / "bad-prompts" / "metrics.jsonl").exists()  # nothing trained
+
+
+def test_required_fields_of_rewards():
+    from rlft.config import RewardSpec
+    from rlft.rewards.base import RewardScorer
+
+    scorer = RewardScorer([RewardSpec(fn="math"), RewardSpec(fn="exact_match", args={"field": "gold"}),
+                           RewardSpec(fn="code"), RewardSpec(fn="regex", args={"pattern": "x"}),
+                           RewardSpec(fn="json_fields", args={"field": "expected"}),
+                           RewardSpec(fn="json_fields", name="jf2", args={"required": ["a"], "field": "expected"})])
+    assert scorer.required_fields == ("answer", "gold", "tests", "expected")

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from rlft.config import EvalConfig
 from rlft.data.prompts import PromptExample
-from rlft.rewards.base import RewardScorer
+from rlft.rewards.base import RewardScorer, scoring_row
 from rlft.rollout.base import Completion, Engine, SamplingParams
 
 
@@ -65,8 +65,8 @@ def evaluate_prompts(engine: Engine, examples: Sequence[PromptExample], cfg: Eva
 
 
 def _add_reward_metrics(m, records, examples, completions, scorer, cfg, prefix) -> None:
-    rows = [dict(examples[c.prompt_index].fields, finish_reason=c.finish_reason,
-                 completion_tokens=len(c.completion_ids), max_new_tokens=cfg.max_new_tokens) for c in completions]
+    rows = [scoring_row(examples[c.prompt_index].fields, c.finish_reason, len(c.completion_ids), cfg.max_new_tokens)
+            for c in completions]
     scores = scorer.score([examples[c.prompt_index].prompt_text for c in completions],
                           [c.text for c in completions], rows)
     name = cfg.correct_component or scorer.components[0][0]

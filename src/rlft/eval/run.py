@@ -32,9 +32,9 @@ def evaluate_model(target: str | Path, data: str, rewards: list[RewardSpec], cfg
                    prefix: str = "eval/", write_summary: bool = True) -> EvalResult:
     model_dir, run_dir = resolve_model(target)
     policy = load_policy(ModelConfig(path=str(model_dir), device=device), LoraConfig())
-    encode = make_prompt_encoder(policy.tokenizer, max_prompt_length)
-    examples = check_rows(read_rows(data, split), encode, data, "eval prompt")
     scorer = RewardScorer(rewards) if rewards else None
+    encode = make_prompt_encoder(policy.tokenizer, max_prompt_length, scorer.required_fields if scorer else ())
+    examples = check_rows(read_rows(data, split), encode, data, "eval prompt")
     stop_ids = generation_stop_ids(policy.model, policy.tokenizer)
     engine = HFEngine(policy.model, policy.tokenizer, stop_ids, policy.device, seed=seed, batch_size=cfg.batch_size)
     result = evaluate_prompts(engine, examples, cfg, scorer, prefix=prefix, seed=seed)

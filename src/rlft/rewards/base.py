@@ -89,8 +89,11 @@ def build_reward(spec: RewardSpec) -> tuple[str, RewardFn]:
 
     if ":" in spec.fn:
         fn = load_user_function(spec.fn)
+        needs = _fields_without_default(fn, spec.args)
         if spec.args:
             fn = _bind(fn, spec.args)
+        if needs:
+            fn.required_fields = needs
         return spec.name or spec.fn.rpartition(":")[2], fn
     factory = BUILTIN_REWARDS.get(spec.fn)
     if factory is None:
@@ -105,6 +108,30 @@ def build_reward(spec: RewardSpec) -> tuple[str, RewardFn]:
     except TypeError as exc:
         raise ConfigError(f"rewards: {spec.fn}: bad args {spec.args}: {exc}") from None
     return spec.name or spec.fn, factory(**spec.args)
+
+
+def scoring_row(fields: dict[str, Any], finish_reason: str, completion_tokens: int,
+                max_new_tokens: int) -> dict[str, Any]:
+    """The keyword arguments a reward gets for one sample: the prompt row's fields plus what the
+    generation adds (SCORING_FIELDS)."""
+    return dict(fields, finish_reason=finish_reason, completion_tokens=completion_tokens,
+                max_new_tokens=max_new_tokens)
+
+
+# added to every row by scoring_row, so never required from the data
+SCORING_FIELDS = ("finish_reason", "completion_tokens", "max_new_tokens")
+
+
+def _fields_without_default(fn: Callable[..., Any], bound: dict[str, Any]) -> tuple[str, ...]:
+    """Row fields a user function cannot be called without: its named parameters after
+    (prompt, completion) that have no default and are not given in the reward's args."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to learn
+        return ()
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return tuple(p.name for p in named[2:]
+                 if p.default is p.empty and p.name not in bound and p.name not in SCORING_FIELDS)
 
 
 def _bind(fn: Callable[..., Any], args: dict[str, Any]) -> RewardFn:
@@ -155,6 +182,9 @@ class RewardScorer:
             raise ConfigError(f"rewards: component names must be unique; give 'name:' to {sorted(dupes)}")
         self.components = [(name, fn, spec.weight) for (name, fn), spec in zip(built, specs)]
         self.max_workers = max_workers
+        # every prompt row must carry these (checked with the data, before training starts)
+        self.required_fields = tuple(dict.fromkeys(
+            f for _, fn, _ in self.components for f in getattr(fn, "required_fields", ())))
 
     def score(self, prompts: list[str], completions: list[str], rows: list[dict[str, Any]]) -> Scores:
         n = len(completions)

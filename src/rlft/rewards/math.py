@@ -329,4 +329,5 @@ def math_reward(field: str = "answer", timeout: float = 5.0, workers: int = 2,
             return None
         return check_answer(gold, extract_answer(completion), timeout, workers, max_answer_chars)
 
+    reward.required_fields = (field,)
     return reward

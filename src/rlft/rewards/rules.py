@@ -28,6 +28,7 @@ def exact_match(field: str = "answer", strip: bool = True, case_sensitive: bool 
     def reward(prompt: str, completion: str, **row: Any) -> float:
         return float(norm(completion) == norm(str(row[field])))
 
+    reward.required_fields = (field,)
     return reward
 
 
@@ -107,4 +108,5 @@ def json_fields(required: list[str] | None = None, field: str | None = None, che
                 hits += 1
         return hits / len(names)
 
+    reward.required_fields = (field,) if field is not None and not required else ()
     return reward

@@ -37,8 +37,10 @@ PROGRESS_KEYS = ["reward/mean", "kl", "entropy", "completion/length_mean", "clip
 RATIO_DRIFT = 1.3  # seed 002 §4.3: a mean importance ratio above this means off-policy training
 
 
-def load_prompts(config: Config, tokenizer: Any, source: str, split: str, kind: str) -> list[PromptExample]:
-    encode = make_prompt_encoder(tokenizer, config.data.max_prompt_length)
+def load_prompts(config: Config, tokenizer: Any, source: str, split: str, kind: str,
+                 required: tuple[str, ...] = ()) -> list[PromptExample]:
+    """Prompt rows, each checked (and `required` fields present: what the rewards read)."""
+    encode = make_prompt_encoder(tokenizer, config.data.max_prompt_length, required)
     return check_rows(read_rows(source, split), encode, source, kind, config.data.on_invalid)
 
 
@@ -55,10 +57,11 @@ def run_online(config: Config) -> dict[str, Any]:
     session = TrainingSession(config)
     policy, a = session.policy, config.algorithm
     end_ids = generation_stop_ids(policy.model, policy.tokenizer)
-    prompts = load_prompts(config, policy.tokenizer, config.data.train, config.data.split, "prompt")
-    evals = (load_prompts(config, policy.tokenizer, config.data.eval, config.data.eval_split or config.data.split,
-                          "eval prompt") if config.data.eval else [])
     scorer = RewardScorer(config.rewards, config.scoring.max_workers)
+    needs = scorer.required_fields
+    prompts = load_prompts(config, policy.tokenizer, config.data.train, config.data.split, "prompt", needs)
+    evals = (load_prompts(config, policy.tokenizer, config.data.eval, config.data.eval_split or config.data.split,
+                          "eval prompt", needs) if config.data.eval else [])
     engine = build_engine(config.rollout, policy, end_ids, config.seed)
     reference = Reference(policy) if (a.kl_coef > 0 or a.kl_target is not None) else None
     kl_ctl = make_kl_controller(a.kl_coef, a.kl_target, a.kl_adapt_factor)

@@ -14,7 +14,7 @@ import torch
 
 from rlft.algorithms import zero_variance_groups
 from rlft.data.prompts import PromptExample
-from rlft.rewards.base import RewardScorer, Scores
+from rlft.rewards.base import RewardScorer, Scores, scoring_row
 from rlft.rollout.base import Completion, Engine, SamplingParams
 
 
@@ -64,8 +64,8 @@ class Rollout:
 
 def _score(scorer: RewardScorer, examples: list[PromptExample], completions: list[Completion],
            max_new_tokens: int) -> Scores:
-    rows = [dict(e.fields, finish_reason=c.finish_reason, completion_tokens=len(c.completion_ids),
-                 max_new_tokens=max_new_tokens) for e, c in zip(examples, completions)]
+    rows = [scoring_row(e.fields, c.finish_reason, len(c.completion_ids), max_new_tokens)
+            for e, c in zip(examples, completions)]
     return scorer.score([e.prompt_text for e in examples], [c.text for c in completions], rows)
 
 

@@ -88,4 +88,5 @@ def code(
                                    timeout=timeout, case_timeout=case_timeout, limits=limits)
         return None if verdict.score is None else dict(verdict.parts)
 
+    reward.required_fields = (field,)
     return reward
