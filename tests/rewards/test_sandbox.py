@@ -139,10 +139,14 @@ while todo and len(seen) < 3_000_000:  # everything reachable, including untrack
     else:
         todo += gc.get_referents(obj)
 found += hits(" ".join(sys.argv) + repr(dict(os.environ)))
+# the interpreter's own install is bound in read-only (it is under /tmp when the checkout is):
+# public files the parent never writes to, and too large to read whole under the memory limit
+install = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)}
 for root in (os.getcwd(), os.environ["HOME"], "/tmp"):
-    for d, _, files in os.walk(root):
+    for d, dirs, files in os.walk(root):
+        dirs[:] = [x for x in dirs if os.path.realpath(os.path.join(d, x)) not in install]
         for f in files:
-            try: found += hits(open(os.path.join(d, f), errors="replace").read())
+            try: found += hits(open(os.path.join(d, f), errors="replace").read(1 << 20))
             except OSError: pass
 for pid in os.listdir("/proc"):
     for part in ("cmdline", "environ"):
