@@ -277,3 +277,18 @@ def test_an_empty_dataset_is_an_error(tmp_path, qwen_path):
     train.write_text("\n\n")
     with pytest.raises(DataError, match="no rows found"):
         api.train(make_config(qwen_path, train, tmp_path / "run"))
+
+
+def test_eval_rows_need_the_fields_the_eval_rewards_read(tmp_path, qwen_path, sft_data):
+    # SFT eval accuracy is scored by the rewards: a held-out row without `answer` is a data error
+    rows = arithmetic_rows(4, seed=7)
+    del rows[2]["answer"]
+    heldout = write_jsonl(tmp_path / "heldout.jsonl", rows)
+    config = make_config(qwen_path, sft_data["train"], tmp_path / "run", data={"eval": str(heldout)},
+                         rewards=[{"fn": "math"}])
+    with pytest.raises(DataError) as info:
+        api.train(config)
+    message = str(info.value)
+    assert f"{heldout}: 1 of 4 SFT eval rows are invalid" in message
+    assert f"{heldout}:3" in message and "missing field 'answer'" in message
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
