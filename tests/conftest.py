@@ -1,11 +1,14 @@
 """Shared fixtures for the foundation tests: tiny models built once per session, a synthetic chat
-SFT dataset with a fixed answer format, and a small-config helper."""
+SFT dataset with a fixed answer format, a small-config helper, and helpers several test modules
+share (the in-process CLI runner, big-batch vs micro-batch gradients, a dense reward)."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +58,63 @@ def arithmetic_rows(n: int, seed: int) -> list[dict[str, Any]]:
                                   {"role": "assistant", "content": f"The answer is {a + b}."}],
                      "answer": str(a + b)})
     return rows
+
+
+# A dense reward for online tests: a few steps on a random tiny model visibly move it.
+DIGITS_REWARD = '''
+def digits(prompt, completion, **row):
+    return sum(ch.isdigit() for ch in completion) / max(len(completion), 1)
+'''
+
+
+def take_grads(model) -> dict[str, torch.Tensor]:
+    """Copies of the parameters' gradients; the model's are cleared."""
+    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def big_and_micro_batches(objective, model, examples, norm: float, micro: int = 2):
+    """`objective.loss` over all examples at once, then over micro-batches of `micro` with the same
+    normaliser (gradients accumulated): losses, summed metrics and gradients of both."""
+    from types import SimpleNamespace
+
+    loss_big, m_big = objective.loss(model, examples, norm)
+    loss_big.backward()
+    big = take_grads(model)
+    loss_micro, m_micro = 0.0, {}
+    for i in range(0, len(examples), micro):
+        loss, m = objective.loss(model, examples[i:i + micro], norm)
+        loss.backward()
+        loss_micro += float(loss.detach())
+        m_micro = {k: m_micro.get(k, 0.0) + v for k, v in m.items()}
+    return SimpleNamespace(loss_big=float(loss_big.detach()), metrics_big=m_big, grads_big=big,
+                           loss_micro=loss_micro, metrics_micro=m_micro, grads_micro=take_grads(model))
+
+
+def run_main(monkeypatch, capsys, *args: str) -> subprocess.CompletedProcess:
+    """`rlft ARGS` in this process through the real entry point `rlft.cli:main`."""
+    from rlft.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["rlft", *args])
+    monkeypatch.setenv("COLUMNS", "250")
+    code = 0
+    try:
+        main()
+    except SystemExit as exc:  # typer exits 0 on success; main() exits 2 on user errors
+        code = exc.code if isinstance(exc.code, int) else 1
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
+def assert_clean_user_error(result: subprocess.CompletedProcess) -> str:
+    """Exit code 2, exactly one line starting with 'error:', no traceback. Returns stderr."""
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "Traceback" not in output
+    error_lines = [ln for ln in output.splitlines() if ln.startswith("error:")]
+    assert len(error_lines) == 1, output
+    return result.stderr
 
 
 def write_jsonl(path: Path, rows: list[Any]) -> Path:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from conftest import make_config
+from conftest import assert_clean_user_error, make_config, run_main
 
 RLFT = Path(sys.executable).parent / "rlft"
 COMMANDS = {
@@ -31,31 +31,6 @@ def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     # Wide terminal: rich wraps at 80 columns otherwise.
     env = {**os.environ, "COLUMNS": "250", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     return subprocess.run([str(RLFT), *args], capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def run_main(monkeypatch, capsys, *args: str) -> subprocess.CompletedProcess:
-    """`rlft ARGS` in this process through the real entry point `rlft.cli:main`."""
-    from rlft.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["rlft", *args])
-    monkeypatch.setenv("COLUMNS", "250")
-    code = 0
-    try:
-        main()
-    except SystemExit as exc:  # typer exits 0 on success; main() exits 2 on user errors
-        code = exc.code if isinstance(exc.code, int) else 1
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(args, code, out.out, out.err)
-
-
-def assert_clean_user_error(result: subprocess.CompletedProcess) -> str:
-    """Exit code 2, exactly one line starting with 'error:', no traceback. Returns stderr."""
-    output = result.stdout + result.stderr
-    assert result.returncode == 2, output
-    assert "Traceback" not in output
-    error_lines = [ln for ln in output.splitlines() if ln.startswith("error:")]
-    assert len(error_lines) == 1, output
-    return result.stderr
 
 
 def test_console_script_exists():

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import make_config, write_jsonl
+from conftest import big_and_micro_batches, make_config, take_grads, write_jsonl
 from rlft import api
 from rlft.algorithms.preference import PREFERENCE_LOSSES
 from rlft.config import ModelConfig, load_config
@@ -76,12 +76,6 @@ def _objective(tok, model, **dpo):
     return objective
 
 
-def _grads(model) -> dict[str, torch.Tensor]:
-    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return out
-
-
 # -- sequence log-probs -----------------------------------------------------------------------
 
 def test_sequence_logprobs_match_an_unpadded_per_row_oracle(tok, model64):
@@ -114,18 +108,10 @@ def test_micro_batches_give_the_big_batch_gradient(tok, model64):
     norm = objective.normaliser(examples)
     assert norm == 8.0  # pairs in the step
 
-    loss_big, m_big = objective.loss(model64, examples, norm)
-    loss_big.backward()
-    big = _grads(model64)
-    loss_micro, m_micro = 0.0, {}
-    for i in range(0, 8, 2):
-        loss, m = objective.loss(model64, examples[i:i + 2], norm)
-        loss.backward()
-        loss_micro += float(loss.detach())
-        m_micro = {k: m_micro.get(k, 0.0) + v for k, v in m.items()}
-    micro = _grads(model64)
+    run = big_and_micro_batches(objective, model64, examples, norm)
+    big, micro, m_big, m_micro = run.grads_big, run.grads_micro, run.metrics_big, run.metrics_micro
 
-    assert loss_micro == pytest.approx(float(loss_big.detach()), rel=1e-6)
+    assert run.loss_micro == pytest.approx(run.loss_big, rel=1e-6)
     for key in ("rewards/margin", "rewards/accuracy", "logps/chosen", "nll/chosen", "tokens"):
         # log-probs are summed in float32 (about -200 each), so margins agree to ~1e-5 absolute
         assert m_micro[key] == pytest.approx(m_big[key], rel=1e-6, abs=1e-4), key
@@ -142,7 +128,7 @@ def test_micro_batches_give_the_big_batch_gradient(tok, model64):
     for i in range(0, 8, 2):
         loss, _ = objective.loss(model64, examples[i:i + 2], 2.0)
         loss.backward()
-    wrong = _grads(model64)
+    wrong = take_grads(model64)
     rel = max(float((wrong[n] - big[n]).norm() / big[n].norm()) for n in big if big[n].norm() > 0)
     assert rel > 1e-2
 

@@ -9,16 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import make_config, write_jsonl
+from conftest import DIGITS_REWARD, assert_clean_user_error, make_config, run_main, write_jsonl
 from rlft.errors import ConfigError
 from rlft.pipeline import plan_pipeline, run_pipeline
-from test_cli import assert_clean_user_error, run_main
-
-REWARDS = '''
-def digits(prompt, completion, **row):
-    return sum(ch.isdigit() for ch in completion) / max(len(completion), 1)
-'''
-
 
 def _write(path: Path, data) -> Path:
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -41,7 +34,7 @@ def files(tmp_path, qwen_path, sft_data):
     configs = tmp_path / "configs"
     configs.mkdir()
     rewards = tmp_path / "rewards.py"
-    rewards.write_text(REWARDS)
+    rewards.write_text(DIGITS_REWARD)
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"Count to {i}."} for i in range(8)])
     sft = make_config(qwen_path, sft_data["train"], tmp_path / "ignored", data={"eval": str(sft_data["eval"])},
                       training={"learning_rate": 1e-3, "batch_size": 4, "max_steps": 3, "num_threads": 1,

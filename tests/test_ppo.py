@@ -8,20 +8,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import DIGITS_REWARD
 from rlft.api import train
 from rlft.models.tiny import build_tiny_model
-
-REWARD = '''
-def digits(prompt, completion, **row):
-    return sum(ch.isdigit() for ch in completion) / max(len(completion), 1)
-'''
-
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("ppo")
     build_tiny_model(root / "model", seed=0)
-    (root / "reward.py").write_text(REWARD)
+    (root / "reward.py").write_text(DIGITS_REWARD)
     for name, lo, hi in (("train", 0, 16), ("heldout", 100, 116)):
         with (root / f"{name}.jsonl").open("w") as f:
             for i in range(lo, hi):

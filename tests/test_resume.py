@@ -16,23 +16,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import DIGITS_REWARD
 from rlft.api import train
 from rlft.models.tiny import build_tiny_model
 
 RLFT = str(Path(sys.executable).parent / "rlft")
 VOLATILE = ("time", "tokens_per_s", "step_time")  # wall-clock numbers differ between runs by nature
 
-REWARD = '''
-def digits(prompt, completion, **row):
-    return sum(ch.isdigit() for ch in completion) / max(len(completion), 1)
-'''
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
     build_tiny_model(root / "model", seed=0)
-    (root / "reward.py").write_text(REWARD)
+    (root / "reward.py").write_text(DIGITS_REWARD)
     with (root / "sft.jsonl").open("w") as f:
         for i in range(24):
             f.write(json.dumps({"prompt": f"What is {i} + {i % 7}?", "completion": f"The answer is {i + i % 7}."}) + "\n")

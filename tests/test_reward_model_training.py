@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import make_config, write_jsonl
+from conftest import big_and_micro_batches, make_config, take_grads, write_jsonl
 from rlft import api
 from rlft.config import LoraConfig, ModelConfig, RewardSpec, load_config
 from rlft.data.arith_pairs import preference_rows, split_problems
@@ -109,22 +109,9 @@ def test_micro_batches_give_the_big_batch_gradient(qwen_path, tok, examples):
     norm = objective.normaliser(examples)
     assert norm == 8.0
 
-    def grads():
-        out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-        model.zero_grad(set_to_none=True)
-        return out
-
-    loss_big, m_big = objective.loss(model, examples, norm)
-    loss_big.backward()
-    big = grads()
-    loss_micro, m_micro = 0.0, {}
-    for i in range(0, 8, 2):
-        loss, m = objective.loss(model, examples[i:i + 2], norm)
-        loss.backward()
-        loss_micro += float(loss.detach())
-        m_micro = {k: m_micro.get(k, 0.0) + v for k, v in m.items()}
-    micro = grads()
-    assert loss_micro == pytest.approx(float(loss_big.detach()), rel=1e-9)
+    run = big_and_micro_batches(objective, model, examples, norm)
+    big, micro, m_big, m_micro = run.grads_big, run.grads_micro, run.metrics_big, run.metrics_micro
+    assert run.loss_micro == pytest.approx(run.loss_big, rel=1e-9)
     for key, value in m_big.items():
         assert m_micro[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
     assert big.keys() == micro.keys() and "score.weight" in big
@@ -135,7 +122,7 @@ def test_micro_batches_give_the_big_batch_gradient(qwen_path, tok, examples):
     for i in range(0, 8, 2):  # control: a mean per micro-batch is a different gradient
         loss, _ = objective.loss(model, examples[i:i + 2], 2.0)
         loss.backward()
-    wrong = grads()
+    wrong = take_grads(model)
     rel = max(float((wrong[n] - big[n]).norm() / big[n].norm()) for n in big if big[n].norm() > 0)
     assert rel > 1e-2
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import arithmetic_rows, make_config, write_jsonl
+from conftest import arithmetic_rows, big_and_micro_batches, make_config, take_grads, write_jsonl
 from rlft import api
 from rlft.config import ModelConfig, load_config
 from rlft.data.loading import Row
@@ -39,12 +39,6 @@ def varied_rows(n: int, seed: int) -> list[dict]:
 
 # -- gradient accumulation --------------------------------------------------------------------
 
-def _grads(model) -> dict[str, torch.Tensor]:
-    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return out
-
-
 def test_micro_batches_give_the_big_batch_gradient(qwen_path):
     from transformers import AutoModelForCausalLM
 
@@ -62,18 +56,10 @@ def test_micro_batches_give_the_big_batch_gradient(qwen_path):
     # the normaliser is every target token of the step (position 0 is never one with ChatML)
     assert norm == sum(sum(e.target_mask) for e in examples)
 
-    loss_big, _ = objective.loss(model, examples, norm)
-    loss_big.backward()
-    big = _grads(model)
+    run = big_and_micro_batches(objective, model, examples, norm)
+    big, micro = run.grads_big, run.grads_micro
 
-    loss_micro = 0.0
-    for i in range(0, 8, 2):
-        loss, _ = objective.loss(model, examples[i:i + 2], norm)
-        loss.backward()
-        loss_micro += float(loss)
-    micro = _grads(model)
-
-    assert loss_micro == pytest.approx(float(loss_big), rel=1e-6)
+    assert run.loss_micro == pytest.approx(run.loss_big, rel=1e-6)
     assert big.keys() == micro.keys() and len(big) > 0
     scale = max(float(g.abs().max()) for g in big.values())
     for name in big:
@@ -85,7 +71,7 @@ def test_micro_batches_give_the_big_batch_gradient(qwen_path):
         chunk = examples[i:i + 2]
         loss, _ = objective.loss(model, chunk, objective.normaliser(chunk) * 4)
         loss.backward()
-    wrong = _grads(model)
+    wrong = take_grads(model)
     rel = max(float((wrong[n] - big[n]).norm() / big[n].norm()) for n in big if big[n].norm() > 0)
     assert rel > 1e-2
 

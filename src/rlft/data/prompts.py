@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlft.data.loading import Row
-from rlft.data.validate import RowError, check_messages, require_field
+from rlft.data.validate import RowError, check_messages, require_field, require_fields
 from rlft.models.template import Messages, as_messages, encode_prompt
 
 
@@ -33,8 +33,7 @@ def make_prompt_encoder(tokenizer: Any, max_prompt_length: int, required: tuple[
         else:
             prompt = require_field(data, "prompt", (str, list), "a prompt row")
             messages = check_messages(prompt, "prompt") if isinstance(prompt, list) else as_messages(prompt)
-        for name in required:
-            require_field(data, name, object, "the reward functions")
+        require_fields(data, required, "the reward functions")
         try:
             ids = encode_prompt(tokenizer, messages)
         except Exception as exc:

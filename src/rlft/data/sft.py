@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from rlft.data.loading import Row
-from rlft.data.validate import RowError, check_messages, require_field
+from rlft.data.validate import RowError, check_messages, require_field, require_fields
 from rlft.models.template import Messages, as_messages, encode_text, render
 
 
@@ -71,9 +71,13 @@ def encode_sft(tokenizer: Any, messages: Messages, end_ids: list[int]) -> tuple[
     return ids, mask
 
 
-def make_sft_encoder(tokenizer: Any, end_ids: list[int], max_length: int, max_prompt_length: int | None = None):
+def make_sft_encoder(tokenizer: Any, end_ids: list[int], max_length: int, max_prompt_length: int | None = None,
+                     required: tuple[str, ...] = ()):
+    """Rows -> SftExample; `required` fields must be present too (what eval rewards read)."""
+
     def encode(row: Row) -> SftExample:
         messages = row_messages(row.data)
+        require_fields(row.data, required, "the reward functions")
         try:
             ids, mask = encode_sft(tokenizer, messages, end_ids)
         except RowError:

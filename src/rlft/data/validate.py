@@ -91,6 +91,12 @@ def require_field(data: dict[str, Any], name: str, types: type | tuple[type, ...
     return value
 
 
+def require_fields(data: dict[str, Any], names: Iterable[str], what: str) -> None:
+    """Each of `names` present and non-empty, of any type (e.g. what the reward functions read)."""
+    for name in names:
+        require_field(data, name, object, what)
+
+
 def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
     return types if isinstance(types, tuple) else (types,)
 

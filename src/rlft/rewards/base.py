@@ -90,9 +90,8 @@ def build_reward(spec: RewardSpec) -> tuple[str, RewardFn]:
     if ":" in spec.fn:
         fn = load_user_function(spec.fn)
         needs = _fields_without_default(fn, spec.args)
-        if spec.args:
+        if spec.args or needs:  # our own wrapper: the user's function object is never annotated
             fn = _bind(fn, spec.args)
-        if needs:
             fn.required_fields = needs
         return spec.name or spec.fn.rpartition(":")[2], fn
     factory = BUILTIN_REWARDS.get(spec.fn)

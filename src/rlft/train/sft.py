@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from rlft.data.loading import Row, read_rows
+from rlft.data.loading import read_rows
 from rlft.data.prompts import PromptExample
 from rlft.data.sft import SftExample, collate_sft, make_sft_encoder
-from rlft.data.validate import check_rows, require_field
+from rlft.data.validate import check_rows
 from rlft.eval.generation import evaluate_prompts
 from rlft.models.template import encode_prompt, end_of_turn_ids
 from rlft.rewards.base import RewardScorer
@@ -37,14 +37,9 @@ class SftObjective:
         if cfg.rewards:
             self.scorer = RewardScorer(cfg.rewards)
         evals: list[SftExample] = []
-        if cfg.data.eval:
+        if cfg.data.eval:  # eval rows are scored by the rewards: they need the fields those read
             needs = self.scorer.required_fields if self.scorer else ()
-
-            def encode_eval(row: Row) -> SftExample:  # eval rows are scored: they need the rewards' fields
-                for name in needs:
-                    require_field(row.data, name, object, "the reward functions")
-                return encode(row)
-
+            encode_eval = make_sft_encoder(tok, self.end_ids, cfg.data.max_length, cfg.data.max_prompt_length, needs)
             evals = check_rows(read_rows(cfg.data.eval, cfg.data.eval_split or cfg.data.split), encode_eval,
                                cfg.data.eval, "SFT eval", cfg.data.on_invalid)
         return train, evals
