@@ -106,3 +106,14 @@ def test_config_help_lists_fields(monkeypatch, capsys):
     assert "training.learning_rate = 1e-05" in result.stdout
     assert "model.path = required" in result.stdout
     assert "[algorithm]" in result.stdout
+
+
+def test_the_demo_runs_twice_into_the_same_folder(tmp_path):
+    # a second `make demo` must start afresh, not stop with "nothing to train" on the first's runs
+    from rlft.demo import DemoSettings, run_demo
+
+    small = DemoSettings(heldout=8, sft_rows=32, rl_rows=32, sft_epochs=1, rl_steps=1, prompts_per_step=2,
+                         group_size=2, threads=1)
+    first = run_demo(tmp_path / "demo", small)
+    second = run_demo(tmp_path / "demo", small)
+    assert second["sft"] == first["sft"] and second["rl"] == first["rl"]  # the same seed, trained again

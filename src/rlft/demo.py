@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,8 @@ def run_demo(out_dir: str | Path = "demo-output", settings: DemoSettings | None 
     out = Path(out_dir)
     started = time.perf_counter()
     console.rule("[bold]rlft demo: SFT teaches the format, RL teaches being right")
+    for stale in (out / "runs" / "sft", out / "runs" / "grpo"):  # a second demo starts afresh
+        shutil.rmtree(stale, ignore_errors=True)                 # rather than "nothing to train"
     data = make_datasets(out / "data", s)
     model = build_tiny_model(out / "base-model", seed=s.seed)
     cfgs = configs(out, model, data, s)
