@@ -86,7 +86,7 @@ def main() -> None:
         from rlft.config import LoraConfig, ModelConfig
         from rlft.models.loading import load_policy
         from rlft.models.template import encode_prompt, end_of_turn_ids
-        from rlft.rollout.base import SamplingParams
+        from rlft.rollout.contract import SamplingParams
         from rlft.rollout.hf import HFEngine
 
         policy = load_policy(ModelConfig(path=str(work / "sft" / "final"), dtype="bf16", device="cuda"), LoraConfig())

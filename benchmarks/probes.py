@@ -38,7 +38,7 @@ def gen(spec: dict) -> dict:
     from rlft.config import ModelConfig
     from rlft.models.loading import load_tokenizer
     from rlft.models.template import encode_prompt, end_of_turn_ids
-    from rlft.rollout.base import SamplingParams
+    from rlft.rollout.contract import SamplingParams
     from rlft.rollout.hf import HFEngine
 
     torch.set_num_threads(int(spec["threads"]))

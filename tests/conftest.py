@@ -25,8 +25,8 @@ torch.set_num_threads(1)
 # completion must fully match (eval.format_regex).
 ANSWER_REGEX = r"The answer is \d+\."
 
-# The tiny models' ChatML template with one extra newline after the generation header: the seed's
-# "one extra newline before the assistant turn" failure.
+# The tiny models' ChatML template with one extra newline after the generation header: the classic
+# "one extra newline before the assistant turn" mismatch between SFT and RL.
 CHANGED_TEMPLATE = ("{%- for message in messages %}"
                     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
                     "{%- endfor %}"
@@ -162,8 +162,7 @@ def sft_run(tmp_path_factory, qwen_path, sft_data):
 
     from rlft.config import load_config
     from rlft.models.loading import load_policy
-    from rlft.train.offline import run_offline
-    from rlft.train.sft import SftObjective
+    from rlft.training.offline import make_objective, run_offline
 
     root = tmp_path_factory.mktemp("sft_run")
     config = load_config(make_config(
@@ -176,10 +175,9 @@ def sft_run(tmp_path_factory, qwen_path, sft_data):
     ))
     policy = load_policy(config.model, config.lora)
     initial = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
-    probe = SimpleNamespace(policy=policy, config=config)
-    objective = SftObjective()
-    _, evals = objective.prepare(probe)
-    baseline = objective.evaluate(probe, evals)
-    summary = run_offline(config, SftObjective(), policy=policy)
+    objective = make_objective(config)
+    _, evals, _ = objective.prepare(policy)
+    baseline = objective.evaluate(policy, evals)
+    summary = run_offline(config, make_objective(config), policy=policy)
     return SimpleNamespace(config=config, policy=policy, baseline=baseline, summary=summary,
                            root=Path(config.output_dir), initial_state=initial)

@@ -103,9 +103,14 @@ def test_error_from_inside_training_is_also_clean(tmp_path, qwen_path, monkeypat
 def test_config_help_lists_fields(monkeypatch, capsys):
     result = run_main(monkeypatch, capsys, "config-help")
     assert result.returncode == 0, result.stderr
-    assert "training.learning_rate = 1e-05" in result.stdout
-    assert "model.path = required" in result.stdout
-    assert "[algorithm]" in result.stdout
+    out = result.stdout
+    assert "model.path = required" in out and "[algorithm]" in out
+    # defaults that depend on the method show each method's real value, not None
+    assert "training.learning_rate = by method: sft 1e-05, reward_model 1e-05, dpo 1e-06, grpo 1e-06" in out
+    assert "algorithm.kl_coef = by method: grpo 0.04, dr_grpo 0.0, dapo 0.0, rloo 0.05" in out
+    assert "kl_coef = None" not in out
+    # choice fields list their allowed values
+    assert "algorithm.kl_estimator = by method: grpo 'k3'" in out and "(one of: 'k1', 'k2', 'k3')" in out
 
 
 def test_the_demo_runs_twice_into_the_same_folder(tmp_path):

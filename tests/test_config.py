@@ -9,7 +9,7 @@ import yaml
 
 from rlft.config import Config, dump_config, load_config
 from rlft.errors import ConfigError, RlftError
-from rlft.train.rundir import RunDir
+from rlft.monitor.rundir import RunDir
 
 
 def minimal(**extra) -> dict:
@@ -218,3 +218,50 @@ def test_dump_config_is_plain_yaml(tmp_path):
     data = yaml.safe_load((tmp_path / "c.yaml").read_text())
     assert data["training"]["learning_rate"] == 1e-5
     assert Config.model_validate(data) == cfg
+
+
+# -- method-dependent defaults and advice -------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["dapo", "dr_grpo"])
+def test_adaptive_kl_from_a_zero_beta_preset_is_refused(method):
+    # beta starts at the preset's 0 and the controller multiplies it: it would stay 0 forever
+    message = config_error(online(method, algorithm={"kl_target": 0.05}))
+    assert "algorithm.kl_target=0.05" in message and "algorithm.kl_coef=0.0" in message
+    assert "e.g. algorithm.kl_coef=0.01" in message
+    cfg = load_config(online(method, algorithm={"kl_target": 0.05, "kl_coef": 0.01}))
+    assert cfg.needs_reference
+
+
+def test_a_reference_is_needed_only_when_a_kl_term_uses_it():
+    assert not load_config(online("dapo")).needs_reference  # beta 0
+    assert load_config(online("grpo")).needs_reference
+    assert not load_config(online("grpo", algorithm={"kl_coef": 0.0})).needs_reference
+    assert not load_config(minimal()).needs_reference  # SFT
+    assert load_config(minimal(method="dpo")).needs_reference
+
+
+def test_learning_rate_defaults_by_method_and_an_explicit_one_wins():
+    assert load_config(minimal()).training.learning_rate == 1e-5
+    assert load_config(minimal(method="reward_model")).training.learning_rate == 1e-5
+    assert load_config(minimal(method="dpo")).training.learning_rate == 1e-6
+    for method in ("grpo", "dapo", "rloo", "ppo"):
+        assert load_config(online(method)).training.learning_rate == 1e-6
+    assert load_config(online("grpo", training={"learning_rate": 3e-6})).training.learning_rate == 3e-6
+    assert load_config(online("grpo"), ["training.learning_rate=2e-6"]).training.learning_rate == 2e-6
+
+
+def test_warnings_for_a_far_off_online_learning_rate_and_a_wide_clip():
+    from rlft.config import config_warnings
+
+    assert config_warnings(load_config(online("grpo"))) == []
+    assert config_warnings(load_config(online("grpo", training={"learning_rate": 4e-5}))) == []  # within 10x
+    lr = config_warnings(load_config(online("grpo", training={"learning_rate": 1e-4})))
+    assert len(lr) == 1 and "training.learning_rate=0.0001 is far outside the 5e-07..5e-06" in lr[0]
+    clip = config_warnings(load_config(online("dapo", algorithm={"clip_high": 0.35})))
+    assert len(clip) == 1 and "algorithm.clip_high=0.35 is above 0.3" in clip[0]
+    assert config_warnings(load_config(online("dapo"))) == []  # clip-higher 0.28 is fine
+    assert config_warnings(load_config(minimal(training={"learning_rate": 1e-3}))) == []  # SFT: no advice
+
+
+def test_reward_model_margin_default_is_in_the_usual_range():
+    assert load_config(minimal(method="reward_model")).reward_model.margin == 0.5

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,17 +12,15 @@ import torch.nn.functional as F
 
 from conftest import big_and_micro_batches, make_config, take_grads, write_jsonl
 from rlft import api
-from rlft.algorithms.preference import PREFERENCE_LOSSES
-from rlft.config import ModelConfig, load_config
-from rlft.data.arith_pairs import preference_rows, split_problems
-from rlft.data.loading import Row
-from rlft.data.preference import collate_pairs, make_preference_encoder
+from rlft.config import DataConfig, DpoConfig, ModelConfig, load_config
+from rlft.demo.arithmetic import preference_rows, split_problems
+from rlft.data.readers import Row
+from rlft.data.pairs import collate_pairs, make_preference_encoder
 from rlft.errors import ConfigError
 from rlft.models.loading import LoadedModel, Reference, load_policy, load_tokenizer
 from rlft.models.template import end_of_turn_ids
-from rlft.train.dpo import DpoObjective, sequence_logprobs
-from rlft.train.offline import run_offline
-from rlft.train.rundir import RunDir
+from rlft.training.dpo_objective import DpoObjective, sequence_logprobs
+from rlft.training.offline import make_objective, run_offline
 
 
 def varied_pairs(n: int, seed: int = 0) -> list[dict]:
@@ -47,10 +43,6 @@ def dpo_config(model_path, train, out, **sections):
     return config
 
 
-def probe(policy, config, root: Path) -> SimpleNamespace:
-    """What an objective's prepare/evaluate read from a session, without starting a run."""
-    root.mkdir(parents=True, exist_ok=True)
-    return SimpleNamespace(policy=policy, config=config, run=RunDir(root))
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +59,8 @@ def model64(qwen_path):
 
 def _objective(tok, model, **dpo):
     """The objective without a session: live reference = a frozen copy of `model` as it is now."""
-    objective = DpoObjective()
+    objective = DpoObjective(DataConfig(train="unused.jsonl"), DpoConfig(**dpo), chunk=4)
     objective.pad_id = tok.pad_token_id
-    objective.loss_fn = PREFERENCE_LOSSES["sigmoid"]
-    objective.beta, objective.label_smoothing, objective.nll_coef = 0.1, 0.0, dpo.get("nll_coef", 0.0)
-    objective.chunk = 4
     objective.reference = Reference(LoadedModel(model, tok, torch.device("cpu"), False))
     return objective
 
@@ -147,6 +136,29 @@ def test_nll_term_is_the_chosen_answers_mean_token_nll(tok, model64):
     assert metrics["nll/chosen"] == pytest.approx(nll, rel=1e-6)
 
 
+def test_ipo_regresses_the_per_token_log_ratio_margin(tok, model64):
+    # IPO's target 1/(2 beta) = 5 is on the scale of per-token log-probs (arXiv:2310.12036; TRL
+    # averages too); with summed log-probs of long answers the margin would dwarf it.
+    import copy
+
+    examples = encode_pairs(tok, varied_pairs(4, seed=7))
+    ipo = _objective(tok, copy.deepcopy(model64), loss="ipo")  # reference = the model before the nudge
+    policy = copy.deepcopy(model64)
+    with torch.no_grad():
+        for param in policy.parameters():
+            param.add_(0.01 * torch.randn_like(param))
+        batch = collate_pairs(examples, tok.pad_token_id)
+        pol, counts = sequence_logprobs(policy, batch)  # summed over answer tokens  # [8]
+        ref, _ = sequence_logprobs(model64, batch)
+        loss, _ = ipo.loss(policy, examples, 4.0)
+    mean_pol, mean_ref = pol / counts, ref / counts
+    h = (mean_pol[:4] - mean_ref[:4]) - (mean_pol[4:] - mean_ref[4:])  # per-token margin  # [4]
+    expected = float(((h - 1 / (2 * 0.1)) ** 2).mean())  # beta 0.1: target 5
+    assert float(loss) == pytest.approx(expected, rel=1e-9)
+    h_summed = (pol[:4] - ref[:4]) - (pol[4:] - ref[4:])
+    assert float(((h_summed - 5) ** 2).mean()) != pytest.approx(expected, rel=1e-3)  # the answers differ in length
+
+
 def test_accumulated_run_equals_unbatched_run(tmp_path, qwen_path):
     train = write_jsonl(tmp_path / "pairs.jsonl", varied_pairs(16, seed=4))
 
@@ -156,7 +168,7 @@ def test_accumulated_run_equals_unbatched_run(tmp_path, qwen_path):
         policy = load_policy(config.model, config.lora)
         policy.model.double()
         initial = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
-        return run_offline(config, DpoObjective(), policy=policy), initial, dict(policy.model.named_parameters())
+        return run_offline(config, policy=policy), initial, dict(policy.model.named_parameters())
 
     # Log-softmax runs in float32 (selected_logprobs), so gradients agree to ~4e-7 relative. At
     # step 1 the policy is the reference and the chosen/rejected gradients nearly cancel in many
@@ -198,8 +210,8 @@ def test_precomputed_reference_equals_the_live_one(tmp_path, qwen_path):
     config = load_config(dpo_config(qwen_path, train, tmp_path / "run", data={"max_length": 256},
                                     training={"batch_size": 4}, dpo={"precompute_ref": True}))
     policy = load_policy(config.model, config.lora)
-    objective = DpoObjective()
-    examples, _ = objective.prepare(probe(policy, config, tmp_path / "probe"))
+    objective = make_objective(config)
+    examples, _, _ = objective.prepare(policy)
     assert objective.reference is None  # the frozen copy is dropped once every pair is scored
     with torch.no_grad():
         live, _ = sequence_logprobs(policy.model, collate_pairs(examples, policy.tokenizer.pad_token_id))
@@ -228,14 +240,14 @@ def test_dpo_raises_held_out_preference_accuracy_and_margin(tmp_path, qwen_path)
     config = load_config(dpo_config(qwen_path, train, tmp_path / "run", data={"eval": str(heldout)},
                                     training={"batch_size": 8, "max_steps": 8, "learning_rate": 3e-3}))
     policy = load_policy(config.model, config.lora)
-    start = DpoObjective()
-    _, evals = start.prepare(probe(policy, config, tmp_path / "probe"))
-    before = start.evaluate(probe(policy, config, tmp_path / "probe"), evals)
+    start = make_objective(config)
+    _, evals, _ = start.prepare(policy)
+    before = start.evaluate(policy, evals)
     # the policy is the reference: every implicit reward is 0, every pair a tie
     assert before["eval/rewards/margin"] == 0.0 and before["eval/rewards/accuracy"] == 0.0
     assert before["eval/loss"] == pytest.approx(math.log(2), abs=1e-6)
 
-    summary = run_offline(config, DpoObjective(), policy=policy)
+    summary = run_offline(config, policy=policy)
     assert summary["eval/rewards/accuracy"] >= 0.9
     assert summary["eval/rewards/margin"] > 0.5
     assert summary["eval/loss"] < 0.5 * math.log(2)

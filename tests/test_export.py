@@ -16,8 +16,7 @@ from rlft.config import LoraConfig, ModelConfig, load_config
 from rlft.errors import TemplateMismatchError
 from rlft.models.loading import load_policy, load_tokenizer
 from rlft.models.template import TEMPLATE_RECORD, encode_prompt, template_record
-from rlft.train.offline import run_offline
-from rlft.train.sft import SftObjective
+from rlft.training.offline import run_offline
 
 
 def _batch(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +93,7 @@ def lora_run(tmp_path_factory, qwen_path, sft_data):
         lora={"enabled": True, "r": 8, "alpha": 16, "dropout": 0.0},
         training={"learning_rate": 1e-2, "batch_size": 8, "max_steps": 4}))
     policy = load_policy(config.model, config.lora)
-    summary = run_offline(config, SftObjective(), policy=policy)
+    summary = run_offline(config, policy=policy)
     return config, policy, summary
 
 

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from rlft.config import LoraConfig
 from rlft.models.loading import apply_lora
 from rlft.rollout.fast_decode import LeanDecoder
-from rlft.train.logprobs import position_ids_for
+from rlft.models.forward import position_ids_for
 
 
 def _model(kind: str, **extra):

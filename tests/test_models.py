@@ -9,7 +9,7 @@ from rlft.config import LoraConfig, ModelConfig
 from rlft.errors import RlftError
 from rlft.models.loading import Reference, load_policy
 from rlft.models.template import encode_prompt
-from rlft.train.logprobs import sft_token_nll
+from rlft.models.forward import sft_token_nll
 
 
 def _inputs(tokenizer) -> torch.Tensor:
@@ -115,3 +115,32 @@ def test_full_reference_is_a_frozen_copy(qwen_path, base_model):
 
     with reference.model() as ref:
         assert torch.equal(_logits(ref, input_ids), before)  # the reference did not
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_gradient_checkpointing_gives_the_same_gradients(qwen_path, lora):
+    """Recomputing activations in backward changes memory, not maths: same loss, same gradients
+    (and it is really on: the model recomputes inside its layers' backward)."""
+    from rlft.models.forward import sft_token_nll
+
+    ids = torch.randint(5, 400, (3, 24), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 18:] = 0
+    targets = mask.bool().clone()
+    targets[:, :8] = False
+    grads, losses = [], []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)  # same LoRA init both times
+        policy = load_policy(ModelConfig(path=str(qwen_path), gradient_checkpointing=checkpointing),
+                             LoraConfig(enabled=lora, dropout=0.0))
+        base = policy.model.get_base_model() if lora else policy.model
+        assert base.is_gradient_checkpointing == checkpointing
+        policy.model.train()
+        loss = sft_token_nll(policy.model, ids, mask, targets)
+        loss.backward()
+        losses.append(float(loss))
+        grads.append({n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None})
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7)

@@ -13,9 +13,8 @@ from rlft.config import load_config
 from rlft.errors import TrainingHalted
 from rlft.models.loading import load_policy
 from rlft.models.tiny import build_tiny_model
-from rlft.train.offline import run_offline
-from rlft.train.session import TrainingSession
-from rlft.train.sft import SftObjective
+from rlft.training.offline import run_offline
+from rlft.training.session import open_run, session_for
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +50,7 @@ def poison(policy, calls_to_poison: set[int]):
 
 def test_skipped_update_leaves_parameters_optimizer_and_scheduler_unchanged(root):
     cfg = config(root, "unit")
-    session = TrainingSession(cfg)
+    session = session_for(cfg, open_run(cfg), load_policy(cfg.model, cfg.lora))
     session.start(10, [], "test")
     params = session.params
     for p in params:
@@ -75,7 +74,7 @@ def test_isolated_bad_steps_are_skipped_counted_and_training_goes_on(root, capsy
     cfg = config(root, "skip", epochs=1)  # 32 rows / 4 = 8 batches
     policy = load_policy(cfg.model, cfg.lora)
     poison(policy, {3, 6})
-    summary = run_offline(cfg, SftObjective(), policy=policy)
+    summary = run_offline(cfg, policy=policy)
     rows = [json.loads(line) for line in (root / "skip" / "metrics.jsonl").read_text().splitlines()]
     assert summary["status"] == "completed" and summary["nonfinite_skipped"] == 2
     assert [r["step"] for r in rows] == list(range(1, 7))  # 8 batches, 2 skipped: 6 updates
@@ -89,7 +88,7 @@ def test_consecutive_bad_steps_stop_with_a_checkpoint(root):
     policy = load_policy(cfg.model, cfg.lora)
     poison(policy, {3, 4, 5})
     with pytest.raises(TrainingHalted, match="3 consecutive steps had a non-finite") as exc:
-        run_offline(cfg, SftObjective(), policy=policy)
+        run_offline(cfg, policy=policy)
     # the last good state is step 2 (batches 1-2 trained, 3-5 skipped)
     assert "step-00000002" in str(exc.value)
     assert (root / "stop" / "checkpoints" / "step-00000002" / "COMPLETE").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -123,11 +124,10 @@ def test_micro_batches_give_the_same_gradient(setup):
     from rlft.config import LoraConfig, ModelConfig
     from rlft.models.loading import load_policy
     from rlft.models.template import encode_prompt, end_of_turn_ids
-    from rlft.rollout.base import SamplingParams
+    from rlft.rollout.contract import SamplingParams
     from rlft.rollout.batch import RolloutBatch
     from rlft.rollout.hf import HFEngine
-    from rlft.train.online import update_settings
-    from rlft.train.rl_update import policy_update, token_rewards
+    from rlft.training.rl_update import UpdateSettings, policy_update, token_rewards
 
     policy = load_policy(ModelConfig(path=str(setup / "model")), LoraConfig())
     engine = HFEngine(policy.model, policy.tokenizer, end_of_turn_ids(policy.tokenizer), policy.device, seed=0)
@@ -144,7 +144,7 @@ def test_micro_batches_give_the_same_gradient(setup):
             cfg = load_config(_config(setup, "unused", algorithm={"micro_batch_size": micro, "loss_agg": agg,
                                                                   "entropy_coef": 0.01}))
             recorder = _GradRecorder(policy)
-            policy_update(recorder, batch, adv, None, 0.0, update_settings(cfg), torch.Generator())
+            policy_update(recorder, batch, adv, None, 0.0, UpdateSettings.from_config(cfg), torch.Generator())
             grads.append(recorder.grads[0])
     for full, split in zip(grads[:3], grads[3:]):
         assert full.keys() == split.keys() and full
@@ -196,6 +196,8 @@ def test_dapo_dynamic_sampling_drops_and_refills_flat_groups(setup):
     assert all(r["dynamic_sampling/kept_groups"] <= 4 for r in rows)
     # only groups with reward variance are trained on
     assert all(r["adv/zero_std_group_frac"] < 1.0 for r in rows)
+    # the reward of everything sampled is logged too: the dropped even prompts all scored 1.0
+    assert all(r["dynamic_sampling/reward_mean_before_filter"] > r["reward/mean"] for r in rows)
 
 
 def test_adaptive_kl_raises_beta_when_kl_is_above_target(setup):
@@ -250,18 +252,17 @@ def test_sample_lines_show_model_text_verbatim(reward, shown):
 
     from rich.console import Console
 
-    from rlft.train.online import _log_samples
+    from rlft.training.online import _log_samples
 
     out = io.StringIO()
     console = Console(file=out, width=400)
     logged = []
-    session = SimpleNamespace(step=10, config=SimpleNamespace(logging=SimpleNamespace(num_samples=1, sample_every=5)),
-                              run=SimpleNamespace(log_samples=logged.extend), print=console.print)
+    session = SimpleNamespace(step=10, run=SimpleNamespace(log_samples=logged.extend), print=console.print)
     rollout = SimpleNamespace(
         completions=[SimpleNamespace(text="see [/] and [bold]x[/bold]", finish_reason="stop")],
         examples=[SimpleNamespace(where="train.jsonl:3", prompt_text="What is [1+1]?")],
         rewards=[reward], scores=SimpleNamespace(components={"correct": [reward]}))
-    _log_samples(session, rollout)
+    _log_samples(session, rollout, num_samples=1, every=5)
     text = out.getvalue()
     assert shown in text and "see [/] and [bold]x[/bold]" in text and "What is [1+1]?" in text
     assert logged[0]["reward"] == reward and logged[0]["completion"] == "see [/] and [bold]x[/bold]"
@@ -302,10 +303,107 @@ def test_prompt_rows_are_checked_before_training_with_the_fields_the_rewards_nee
 
 def test_required_fields_of_rewards():
     from rlft.config import RewardSpec
-    from rlft.rewards.base import RewardScorer
+    from rlft.rewards.scoring import RewardScorer
 
     scorer = RewardScorer([RewardSpec(fn="math"), RewardSpec(fn="exact_match", args={"field": "gold"}),
                            RewardSpec(fn="code"), RewardSpec(fn="regex", args={"pattern": "x"}),
                            RewardSpec(fn="json_fields", args={"field": "expected"}),
                            RewardSpec(fn="json_fields", name="jf2", args={"required": ["a"], "field": "expected"})])
     assert scorer.required_fields == ("answer", "gold", "tests", "expected")
+
+
+def _first_row(setup, name, **sections):
+    train(_config(setup, name, **sections))
+    return _metrics(setup / "runs" / name)[0]
+
+
+def test_on_policy_ratio_is_exactly_one_with_lora_dropout_configured(setup):
+    # LoRA dropout 0.05 would make the training forward differ from the dropout-free rollout
+    # (ratio 0.85-1.20 at step 0): dropout is off in online methods, pi_old is the trainer's own
+    # forward, and the engine's log-probs agree with it to float precision.
+    # (LoRA's B starts at zero, so dropout shows from the second step on.)
+    train(_config(setup, "lora-dropout", training={"max_steps": 3, "learning_rate": 1e-2},
+                  lora={"enabled": True, "dropout": 0.05}, algorithm={"kl_coef": 0.0}))
+    rows = _metrics(setup / "runs" / "lora-dropout")
+    assert len(rows) == 3
+    for row in rows:
+        assert row["ratio/mean"] == 1.0 and row["ratio/max"] == 1.0 and row["ratio/min"] == 1.0
+        assert row["clip/high_frac"] == 0.0 and row["clip/low_frac"] == 0.0
+        assert row["rollout/logprob_diff_max"] < 1e-4
+        assert row["rollout/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_drift_is_read_before_any_update_and_warns_only_on_engine_mismatch(setup, monkeypatch, capsys):
+    import rlft.training.online as online
+
+    # mu = 2 epochs x 2 minibatches: later minibatches see a moved policy (intended drift)
+    row = _first_row(setup, "drift-mu", training={"max_steps": 1}, algorithm={"epochs": 2, "minibatches": 2})
+    assert row["ratio/max"] > 1.0 + 1e-4
+    assert row["rollout/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert "off-policy" not in capsys.readouterr().err
+
+    # an engine whose log-probs are 0.5 lower than the trainer's: pi_trainer / pi_engine = e^0.5
+    real = online.rollout_engine
+
+    def skewed(cfg, policy, seed):
+        engine = real(cfg, policy, seed)
+        generate = engine.generate
+
+        def shifted(prompts, params):
+            out = generate(prompts, params)
+            for c in out:
+                c.logprobs = [lp - 0.5 for lp in c.logprobs]
+            return out
+
+        engine.generate = shifted
+        return engine
+
+    monkeypatch.setattr(online, "rollout_engine", skewed)
+    row = _first_row(setup, "drift-engine", training={"max_steps": 1},
+                     algorithm={"rollout_correction": "tis", "tis_cap": 1.5})
+    assert row["rollout/ratio_mean"] == pytest.approx(math.exp(0.5), rel=1e-3)
+    assert row["rollout/logprob_diff_mean"] == pytest.approx(0.5, abs=1e-3)
+    assert row["rollout/tis_weight_mean"] == pytest.approx(1.5) and row["rollout/tis_capped_frac"] == 1.0
+    err = " ".join(capsys.readouterr().err.split())  # the console wraps long lines
+    assert "1.65x the rollout engine's" in err and "off-policy" in err
+
+
+def test_no_reference_model_is_built_when_no_kl_term_uses_it(setup, monkeypatch):
+    import rlft.training.online as online
+
+    def refuse(policy):
+        raise AssertionError("a reference model was built for a run without a KL term")
+
+    monkeypatch.setattr(online, "Reference", refuse)
+    cfg = _config(setup, "dapo-noref", training={"max_steps": 1})
+    cfg["method"] = "dapo"
+    assert train(cfg)["status"] == "completed"
+
+
+def test_rewards_see_the_whole_conversation_and_the_rendered_prompt(setup, tmp_path):
+    from rlft.models.loading import load_tokenizer
+    from rlft.config import ModelConfig
+    from rlft.models.template import render
+
+    (tmp_path / "spy.py").write_text(
+        "import json\n"
+        f"LOG = {str(tmp_path / 'seen.jsonl')!r}\n"
+        "def spy(prompt, completion, messages, rendered_prompt, **row):\n"
+        "    with open(LOG, 'a') as f:\n"
+        "        f.write(json.dumps({'prompt': prompt, 'messages': messages, 'rendered': rendered_prompt}) + '\\n')\n"
+        "    return float(len(completion) % 2)\n")
+    conversation = [{"role": "system", "content": "Answer in French."},
+                    {"role": "user", "content": "Count to 3."},
+                    {"role": "assistant", "content": "un deux trois"},
+                    {"role": "user", "content": "Now to 4."}]
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": conversation}) + "\n")
+    cfg = _config(setup, "conversation", training={"max_steps": 1}, data={"train": str(tmp_path / "chat.jsonl")},
+                  rollout={"prompts_per_step": 1, "group_size": 2})
+    cfg["rewards"] = [{"fn": f"{tmp_path / 'spy.py'}:spy"}]
+    train(cfg)
+    seen = [json.loads(line) for line in (tmp_path / "seen.jsonl").read_text().splitlines()]
+    tok = load_tokenizer(ModelConfig(path=str(setup / "model")))
+    assert len(seen) == 2 and all(s["prompt"] == "Now to 4." for s in seen)
+    assert all(s["messages"] == conversation for s in seen)
+    assert all(s["rendered"] == render(tok, conversation, add_generation_prompt=True) for s in seen)
+    assert "Answer in French." in seen[0]["rendered"]

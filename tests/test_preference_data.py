@@ -1,5 +1,5 @@
 """Preference pairs: tokenization like SFT, one validation report for bad rows, pair statistics,
-and the example data written by `rlft.data.arith_pairs`."""
+and the example data written by `rlft.demo.arithmetic`."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import pytest
 
 from conftest import write_jsonl
 from rlft.config import ModelConfig
-from rlft.data.arith_pairs import preference_rows, split_problems, worked_answer, write_preference_data
-from rlft.data.loading import Row
-from rlft.data.preference import (PreferenceExample, TokenSequence, collate_pairs, make_preference_encoder,
+from rlft.demo.arithmetic import preference_rows, split_problems, worked_answer, write_preference_data
+from rlft.data.readers import Row
+from rlft.data.pairs import (PreferenceExample, TokenSequence, collate_pairs, make_preference_encoder,
                                   pair_statistics, read_pairs)
-from rlft.data.sft import encode_sft
+from rlft.data.sft_examples import encode_sft
 from rlft.errors import DataError
 from rlft.models.loading import load_tokenizer
 from rlft.models.template import encode_prompt, end_of_turn_ids
@@ -204,8 +204,8 @@ def test_arithmetic_pairs_are_hard_negatives():
 
 def test_example_data_is_what_the_generator_writes(tmp_path):
     # examples/dpo.yaml and examples/reward_model.yaml read these files; regenerate them with
-    # rlft.data.arith_pairs.write_preference_data("examples/data", **EXAMPLE_DATA)
-    from rlft.data.arith_pairs import EXAMPLE_DATA
+    # rlft.demo.arithmetic.write_preference_data("examples/data", **EXAMPLE_DATA)
+    from rlft.demo.arithmetic import EXAMPLE_DATA
 
     written = write_preference_data(tmp_path, **EXAMPLE_DATA)
     for path in written.values():

@@ -138,8 +138,8 @@ def test_lora_resume_loads_the_trained_adapter(root):
 
     from rlft.config import load_config
     from rlft.models.loading import load_policy
-    from rlft.train import checkpoint as ckpt
-    from rlft.train.session import seed_everything
+    from rlft.training import checkpoint as ckpt
+    from rlft.training.session import seed_everything
 
     run = root / "sft-lora-ref"
     if not run.exists():
@@ -179,7 +179,7 @@ def test_kills_inside_checkpoint_saves_epoch_boundary_and_corruption(root):
     assert died.returncode == -signal.SIGKILL
     assert "resumed from" in died.stderr and "step-00000002" in died.stderr
     state = torch.load(ckpts / "step-00000006" / "trainer_state.pt", weights_only=False)
-    assert state["data"]["epoch"] == 1 and state["data"]["batch"] == 0
+    assert state["parts"]["data"]["epoch"] == 1 and state["parts"]["data"]["batch"] == 0
 
     weights = ckpts / "step-00000006" / "model" / "model.safetensors"
     data = bytearray(weights.read_bytes())

@@ -10,7 +10,7 @@ import pytest
 from rlft.config import RewardSpec
 from rlft.errors import ConfigError
 from rlft.eval.generation import pass_at_k
-from rlft.rewards.base import RewardScorer
+from rlft.rewards.scoring import RewardScorer
 
 USER_MODULE = '''
 def half(prompt, completion, **row):
@@ -113,7 +113,7 @@ def test_pass_at_k_matches_the_combinatorial_definition():
 def test_a_reference_completion_in_the_row_reaches_rewards_under_its_own_name(tmp_path):
     """Held-out rows often carry the reference answer as `completion`; it must not collide with
     the reward's positional `completion` argument."""
-    from rlft.data.loading import Row
+    from rlft.data.readers import Row
     from rlft.data.prompts import make_prompt_encoder
     from rlft.models.tiny import build_tokenizer
 

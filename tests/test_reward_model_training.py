@@ -7,22 +7,21 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import big_and_micro_batches, make_config, take_grads, write_jsonl
 from rlft import api
-from rlft.config import LoraConfig, ModelConfig, RewardSpec, load_config
-from rlft.data.arith_pairs import preference_rows, split_problems
-from rlft.data.loading import Row
-from rlft.data.preference import PreferenceExample, TokenSequence, collate_pairs, make_preference_encoder
+from rlft.config import DataConfig, LoraConfig, ModelConfig, RewardModelConfig, RewardSpec, load_config
+from rlft.demo.arithmetic import preference_rows, split_problems
+from rlft.data.readers import Row
+from rlft.data.pairs import PreferenceExample, TokenSequence, collate_pairs, make_preference_encoder
 from rlft.models.loading import load_reward_model, load_tokenizer
 from rlft.models.template import end_of_turn_ids
-from rlft.rewards.base import RewardScorer
-from rlft.train.reward_model import RewardModelObjective, pair_scores
-from rlft.train.rundir import RunDir
+from rlft.rewards.scoring import RewardScorer
+from rlft.training.rm_objective import RewardModelObjective, pair_scores
+from rlft.training.offline import make_objective
 
 
 def rm_config(model_path, train, out, **sections):
@@ -37,9 +36,9 @@ def carry_pairs(problems, seed):
 
 
 def _objective(tok, margin=0.0, center=0.0) -> RewardModelObjective:
-    objective = RewardModelObjective()
+    objective = RewardModelObjective(DataConfig(train="unused.jsonl"),
+                                     RewardModelConfig(margin=margin, center_coef=center), chunk=4)
     objective.pad_id = tok.pad_token_id
-    objective.default_margin, objective.center_coef, objective.chunk = margin, center, 4
     return objective
 
 
@@ -139,11 +138,9 @@ def test_reward_model_learns_and_its_export_scores_as_a_reward(tmp_path, qwen_pa
     config = load_config(rm_config(qwen_path, train, tmp_path / "rm", data={"eval": str(heldout)},
                                    training={"batch_size": 8, "max_steps": 10, "learning_rate": 1e-3}))
     policy = load_reward_model(config.model, config.lora)
-    start = RewardModelObjective()
-    root = tmp_path / "probe"
-    root.mkdir()
-    _, evals = start.prepare(SimpleNamespace(policy=policy, config=config, run=RunDir(root)))
-    before = start.evaluate(SimpleNamespace(policy=policy, config=config), evals)
+    start = make_objective(config)
+    _, evals, _ = start.prepare(policy)
+    before = start.evaluate(policy, evals)
     assert before["eval/accuracy"] < 0.8  # a random head
 
     summary = api.train(config)

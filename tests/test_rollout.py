@@ -9,10 +9,10 @@ from rlft.config import LoraConfig, ModelConfig
 from rlft.models.loading import load_policy
 from rlft.models.template import encode_prompt, end_of_turn_ids
 from rlft.models.tiny import build_tiny_model
-from rlft.rollout.base import SamplingParams
+from rlft.rollout.contract import SamplingParams
 from rlft.rollout.batch import RolloutBatch
 from rlft.rollout.hf import HFEngine
-from rlft.train.logprobs import completion_logprobs
+from rlft.models.forward import completion_logprobs
 
 
 @pytest.fixture(scope="module")

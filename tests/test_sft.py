@@ -15,14 +15,14 @@ import yaml
 
 from conftest import arithmetic_rows, big_and_micro_batches, make_config, take_grads, write_jsonl
 from rlft import api
-from rlft.config import ModelConfig, load_config
-from rlft.data.loading import Row
-from rlft.data.sft import make_sft_encoder
+from rlft.config import DataConfig, EvalConfig, ModelConfig, load_config
+from rlft.data.readers import Row
+from rlft.data.sft_examples import make_sft_encoder
 from rlft.errors import DataError
 from rlft.models.loading import load_policy, load_tokenizer
 from rlft.models.template import end_of_turn_ids
-from rlft.train.offline import run_offline
-from rlft.train.sft import SftObjective
+from rlft.training.offline import run_offline
+from rlft.training.sft_objective import SftObjective
 
 
 def varied_rows(n: int, seed: int) -> list[dict]:
@@ -50,7 +50,7 @@ def test_micro_batches_give_the_big_batch_gradient(qwen_path):
     assert len({max(lengths[i:i + 2]) for i in range(0, 8, 2)}) >= 2
 
     model = AutoModelForCausalLM.from_pretrained(qwen_path).double().train()
-    objective = SftObjective()
+    objective = SftObjective(DataConfig(train="unused.jsonl"), EvalConfig(), [])
     objective.pad_id = tok.pad_token_id
     norm = objective.normaliser(examples)
     # the normaliser is every target token of the step (position 0 is never one with ChatML)
@@ -82,7 +82,7 @@ def _accumulation_run(qwen_path, train, out, micro):
     policy = load_policy(config.model, config.lora)
     policy.model.double()
     initial = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
-    summary = run_offline(config, SftObjective(), policy=policy)
+    summary = run_offline(config, policy=policy)
     return summary, initial, dict(policy.model.named_parameters())
 
 
@@ -234,7 +234,7 @@ def test_fixing_the_data_after_a_failed_start_can_reuse_the_output_dir(tmp_path,
 def test_jsonl_lines_are_split_on_newline_only(tmp_path):
     # json.dumps(..., ensure_ascii=False) writes U+2028, U+2029 and U+0085 raw inside strings;
     # str.splitlines() would cut the row there and shift every later line number.
-    from rlft.data.loading import read_rows
+    from rlft.data.readers import read_rows
 
     content = "para\u2028graph\u2029next\x85line"
     rows = [{"prompt": content, "completion": "ok"}, {"prompt": "second", "completion": "ok"}]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from rlft.config import LoraConfig, ModelConfig
-from rlft.data.loading import Row
-from rlft.data.sft import collate_sft, encode_sft, make_sft_encoder
+from rlft.data.readers import Row
+from rlft.data.sft_examples import collate_sft, encode_sft, make_sft_encoder
 from rlft.errors import RlftError, TemplateMismatchError
 from rlft.models.loading import load_policy, load_tokenizer
 from rlft.models.template import (

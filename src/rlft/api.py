@@ -7,7 +7,7 @@ from typing import Any
 
 from rlft.config import Config, load_config
 from rlft.errors import ResumeError
-from rlft.train import checkpoint as ckpt
+from rlft.training import checkpoint as ckpt
 
 
 def _as_config(config: Config | dict[str, Any] | str | Path, overrides: list[str] | None) -> Config:
@@ -22,26 +22,13 @@ def train(config: Config | dict[str, Any] | str | Path, overrides: list[str] | N
     """Train as the config says; continues from the newest checkpoint if `output_dir` has one.
     Returns the run's summary (also written to `output_dir/summary.json`)."""
     cfg = _as_config(config, overrides)
-    if cfg.method == "sft":
-        from rlft.train.offline import run_offline
-        from rlft.train.sft import SftObjective
-
-        return run_offline(cfg, SftObjective())
-    if cfg.method == "dpo":
-        from rlft.train.dpo import DpoObjective
-        from rlft.train.offline import run_offline
-
-        return run_offline(cfg, DpoObjective())
-    if cfg.method == "reward_model":
-        from rlft.train.offline import run_offline
-        from rlft.train.reward_model import RewardModelObjective
-
-        return run_offline(cfg, RewardModelObjective())
     if cfg.is_online:
-        from rlft.train.online import run_online
+        from rlft.training.online import run_online
 
         return run_online(cfg)
-    raise NotImplementedError(f"method {cfg.method!r} is not available yet")
+    from rlft.training.offline import run_offline
+
+    return run_offline(cfg)
 
 
 def resume(run_dir: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:

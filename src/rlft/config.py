@@ -63,7 +63,8 @@ class DataConfig(Section):
 
 
 class TrainingConfig(Section):
-    learning_rate: float = Field(1e-5, gt=0, description="Peak learning rate (AdamW).")
+    learning_rate: float | None = Field(
+        None, gt=0, description="Peak learning rate (AdamW); unset: the method's default.")
     lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
     warmup_ratio: float = Field(0.0, ge=0, le=1, description="Fraction of steps spent in linear warmup.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -126,6 +127,10 @@ class AlgorithmConfig(Section):
     mask_truncated: bool | None = Field(None, description="Exclude completions that hit max_new_tokens from the loss.")
     gamma: float | None = Field(None, ge=0, le=1, description="Discount for token-level returns (GAE / REINFORCE++).")
     lam: float | None = Field(None, ge=0, le=1, description="GAE lambda.")
+    rollout_correction: Literal["none", "tis"] | None = Field(
+        None, description="Correct for engine/trainer log-prob mismatch: 'tis' weights each token's loss by "
+                          "min(pi_trainer / pi_engine, tis_cap) (truncated importance sampling).")
+    tis_cap: float | None = Field(None, ge=1, description="Upper bound of the truncated importance weight.")
 
 
 _BASE_PRESET: dict[str, Any] = dict(
@@ -133,7 +138,7 @@ _BASE_PRESET: dict[str, Any] = dict(
     kl_coef=0.04, kl_estimator="k3", kl_in="loss", kl_target=None, kl_adapt_factor=1.5,
     entropy_coef=0.0, loss_agg="token_mean", loss_constant=None, epochs=1, minibatches=1,
     micro_batch_size=None, dynamic_sampling=False, dynamic_sampling_max_rounds=3, mask_truncated=False,
-    gamma=1.0, lam=0.95,
+    gamma=1.0, lam=0.95, rollout_correction="none", tis_cap=2.0,
 )
 PRESETS: dict[str, dict[str, Any]] = {
     "grpo": {},
@@ -148,6 +153,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     # PPO with a critic and GAE; the sequence reward sits on the last valid token.
     "ppo": dict(advantage="gae", kl_in="reward", kl_estimator="k1", kl_coef=0.05, epochs=2),
 }
+
+
+# Learning rates by method when training.learning_rate is unset. Online RL and DPO on pretrained
+# models use 5e-7..5e-6 (DeepSeekMath GRPO 1e-6, arXiv:2402.03300; DPO 5e-7..1e-6,
+# arXiv:2305.18290); SFT and reward models 1e-5 (InstructGPT, arXiv:2203.02155).
+METHOD_LEARNING_RATES: dict[str, float] = {"sft": 1e-5, "reward_model": 1e-5, "dpo": 1e-6,
+                                           **{m: 1e-6 for m in ONLINE_METHODS}}
+ONLINE_LR_RANGE = (5e-7, 5e-6)  # typical for online RL on pretrained models; warn far outside it
+CLIP_WARN = 0.3  # PPO-style clip ranges above this let a single update move the policy too far
 
 
 class CriticConfig(Section):
@@ -233,7 +247,8 @@ class RewardModelConfig(Section):
     """Reward-model training (method: reward_model): a scalar head on a causal-LM checkpoint."""
 
     margin: float = Field(
-        0.0, description="Bradley-Terry margin for rows without their own 'margin' field: chosen must win by it.")
+        0.5, description="Bradley-Terry margin for rows without their own 'margin' field: chosen must win by it "
+                         "(0.5-1.0 is the usual range; 0 is the plain Bradley-Terry loss).")
     center_coef: float = Field(
         0.0, ge=0, description="Reward centering: adds coef * (r_chosen + r_rejected)^2 per pair so scores stay "
                                "near zero (arXiv:2312.09244 uses 0.01); 0: off.")
@@ -260,7 +275,9 @@ class Config(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _fill_preset(cls, values: Any) -> Any:
+    def _fill_defaults(cls, values: Any) -> Any:
+        """Resolve what depends on the method: the online preset's algorithm parts and the
+        learning rate, so config.yaml states every value the run used."""
         if not isinstance(values, dict):
             return values
         method = values.get("method", "sft")
@@ -269,6 +286,9 @@ class Config(Section):
             resolved = {**_BASE_PRESET, **PRESETS[method]}
             resolved.update({k: v for k, v in algo.items() if v is not None})
             values = {**values, "algorithm": resolved}
+        training = values.get("training") or {}
+        if method in METHOD_LEARNING_RATES and isinstance(training, dict) and training.get("learning_rate") is None:
+            values = {**values, "training": {**training, "learning_rate": METHOD_LEARNING_RATES[method]}}
         return values
 
     @model_validator(mode="after")
@@ -284,6 +304,11 @@ class Config(Section):
             a = self.algorithm
             if a.dual_clip is not None and a.dual_clip <= 1:
                 raise ValueError(f"algorithm.dual_clip must be > 1 (got {a.dual_clip}); null turns it off")
+            if a.kl_target is not None and not a.kl_coef:
+                raise ValueError(
+                    f"algorithm.kl_target={a.kl_target} adapts beta multiplicatively, but beta starts at "
+                    f"algorithm.kl_coef={a.kl_coef} (the {self.method} preset) and would stay 0. Set a starting "
+                    "value, e.g. algorithm.kl_coef=0.01, or drop kl_target")
             if a.loss_agg == "constant" and a.loss_constant is None:
                 self.algorithm.loss_constant = self.rollout.max_new_tokens
         return self
@@ -291,6 +316,30 @@ class Config(Section):
     @property
     def is_online(self) -> bool:
         return self.method in ONLINE_METHODS
+
+    @property
+    def needs_reference(self) -> bool:
+        """A reference model is built only when a KL term will use it."""
+        if self.method == "dpo":
+            return True
+        return self.is_online and bool(self.algorithm.kl_coef)
+
+
+def config_warnings(config: Config) -> list[str]:
+    """Settings that are valid but unusual enough to say so when a run starts."""
+    out = []
+    lr = config.training.learning_rate
+    low, high = ONLINE_LR_RANGE
+    if config.is_online and not low / 10 <= lr <= high * 10:
+        out.append(f"training.learning_rate={lr:g} is far outside the {low:g}..{high:g} typical for online RL on "
+                   "pretrained models (fine for a tiny model trained from scratch)")
+    if config.is_online:
+        for name in ("clip_low", "clip_high"):
+            value = getattr(config.algorithm, name)
+            if value is not None and value > CLIP_WARN:
+                out.append(f"algorithm.{name}={value:g} is above {CLIP_WARN}: one update can move token "
+                           "probabilities far from the sampling policy (PPO uses 0.2, DAPO's clip-higher 0.28)")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,7 +456,8 @@ def dump_config(config: Config, path: Path) -> None:
 
 
 def config_reference() -> str:
-    """Every field with its default and description, for `rlft config-help`."""
+    """Every field with its default, its allowed values and meaning, for `rlft config-help`.
+    Fields whose default depends on the method list the value each method uses."""
     out: list[str] = []
 
     def walk(model: type[BaseModel], prefix: str) -> None:
@@ -418,10 +468,32 @@ def config_reference() -> str:
                 out.append(f"\n[{key}]" + (f"  {field.description}" if field.description else ""))
                 walk(sub, key + ".")
                 continue
-            default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
-            out.append(f"  {key} = {default}  # {field.description or ''}")
+            default = _default_text(key, field)
+            choices = _choices(field.annotation)
+            allowed = f"  (one of: {', '.join(map(repr, choices))})" if choices else ""
+            out.append(f"  {key} = {default}{allowed}  # {field.description or ''}")
             if sub is RewardSpec:
                 walk(sub, key + "[].")
 
     walk(Config, "")
     return "\n".join(out).strip()
+
+
+def _default_text(key: str, field: Any) -> str:
+    if key == "training.learning_rate":
+        return "by method: " + ", ".join(f"{m} {v:g}" for m, v in METHOD_LEARNING_RATES.items())
+    section, _, name = key.partition(".")
+    if section == "algorithm" and name in _BASE_PRESET:
+        values = {m: {**_BASE_PRESET, **PRESETS[m]}[name] for m in PRESETS}
+        if len(set(map(repr, values.values()))) == 1:
+            return repr(next(iter(values.values())))
+        return "by method: " + ", ".join(f"{m} {v!r}" for m, v in values.items())
+    return "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
+
+
+def _choices(annotation: Any) -> list[Any]:
+    """The allowed values of a Literal field, or of an optional one (`Literal[...] | None`)."""
+    if getattr(annotation, "__origin__", None) is Literal:
+        return list(annotation.__args__)
+    args = [a for a in getattr(annotation, "__args__", ()) or () if a is not type(None)]
+    return _choices(args[0]) if len(args) == 1 else []

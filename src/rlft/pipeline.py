@@ -1,5 +1,5 @@
 """`rlft pipeline`: stages run in order, each in its own run directory, each starting from an
-earlier stage's export (seed 002 §2.4: e.g. sft -> dpo -> grpo, or sft -> reward_model -> ppo).
+earlier stage's export (e.g. sft -> dpo -> grpo, or sft -> reward_model -> ppo).
 
     output_dir: runs/pipeline
     stages:
@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rlft.config import Config, load_config
 from rlft.errors import ConfigError
-from rlft.train.rundir import RunDir
+from rlft.monitor.rundir import RunDir
 
 
 STAGE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")

@@ -40,9 +40,11 @@ def test_k2_k3_nonnegative():
 
 def test_expectations_match_exact_kl():
     # Oracle: under x ~ pi, E[k1] = E[k3] = KL(pi || ref) exactly; sum over the whole vocabulary.
+    # (k3 is exact while every log gap stays inside its bound: e^x - x - 1 <= 10 for x < 2.5.)
     g = torch.Generator().manual_seed(1)
-    logp = torch.log_softmax(torch.randn(5, 40, generator=g, **F64), -1)  # 5 distributions over 40 tokens
-    ref = torch.log_softmax(torch.randn(5, 40, generator=g, **F64), -1)
+    logp = torch.log_softmax(0.5 * torch.randn(5, 40, generator=g, **F64), -1)  # 5 distributions over 40 tokens
+    ref = torch.log_softmax(0.5 * torch.randn(5, 40, generator=g, **F64), -1)
+    assert (ref - logp).max() < 2.5
     p = logp.exp()
     exact = (p * (logp - ref)).sum(-1)
     for name in ("k1", "k3"):
@@ -52,6 +54,20 @@ def test_expectations_match_exact_kl():
     pc = close.exp()
     kl_close = (pc * (close - logp)).sum(-1)
     torch.testing.assert_close((pc * KL_ESTIMATORS["k2"](close, logp)).sum(-1), kl_close, rtol=1e-2, atol=0)
+
+
+def test_k3_is_bounded_for_a_far_off_token():
+    # log ref - log pi = 60: exp(60) - 61 would be 1.1e26 (inf in float16/bf16 and after a few
+    # more nats in float32). The gap is clamped to 20 and the estimate to 10.
+    logp = torch.tensor([[-70.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[-10.0, -1.0]])
+    kl = KL_ESTIMATORS["k3"](logp, ref)
+    assert kl.tolist() == [[10.0, 0.0]]
+    kl.sum().backward()
+    assert torch.isfinite(logp.grad).all()
+    # just inside the bound the estimate is exact: gap x = 2 -> e^2 - 2 - 1
+    x = torch.tensor([[2.0]], **F64)
+    torch.testing.assert_close(KL_ESTIMATORS["k3"](torch.zeros_like(x), x), x.exp() - x - 1)
 
 
 @pytest.mark.parametrize("name", ["k1", "k2", "k3"])
@@ -65,7 +81,9 @@ def test_estimators_invariances(name):
     # depends only on logp - ref
     torch.testing.assert_close(fn(logp - 3.0, ref - 3.0), full, rtol=1e-12, atol=1e-12)
     # matches the formula written out per element
-    formula = {"k1": lambda d: d, "k2": lambda d: 0.5 * d * d, "k3": lambda d: math.exp(-d) + d - 1}[name]
+    # (k3 with its bound: min(e^-d + d - 1, 10), gap clamped to +-20)
+    formula = {"k1": lambda d: d, "k2": lambda d: 0.5 * d * d,
+               "k3": lambda d: min(math.exp(-d) + d - 1, 10.0)}[name]
     for (i, t) in [(0, 0), (3, 7), (5, 9)]:
         d = float(logp[i, t] - ref[i, t])
         assert float(full[i, t]) == pytest.approx(formula(d), rel=1e-12, abs=1e-15)

@@ -145,3 +145,50 @@ def test_batch_split_gives_same_per_token_loss():
     parts = [clipped(logprobs[s], old[s], adv[s], mask[s], clip_high=0.28, dual_clip=3.0)[0]
              for s in (slice(0, 1), slice(1, 4), slice(4, 6))]
     torch.testing.assert_close(torch.cat(parts), full, rtol=0, atol=0)
+
+
+def test_approx_kl_is_kl_of_old_to_new_on_tokens_sampled_from_old():
+    # log r = log pi - log pi_old = 0.5 on one token: k3 for KL(pi_old || pi) with samples from
+    # pi_old is (r - 1) - log r = e^0.5 - 1 - 0.5 = 0.148721 (the other direction's k3,
+    # e^-0.5 - 1 + 0.5 = 0.106531, was logged before)
+    _, _, m = one(0.5, 1.0)
+    assert m["policy/approx_kl"] == pytest.approx(math.exp(0.5) - 1.5, rel=1e-12)
+    # oracle: its expectation under pi_old is the exact KL(pi_old || pi)
+    g = torch.Generator().manual_seed(3)
+    old = torch.log_softmax(0.5 * torch.randn(1, 30, generator=g, **F64), -1)  # one distribution, 30 tokens
+    new = torch.log_softmax(old + 0.3 * torch.randn(1, 30, generator=g, **F64), -1)
+    p_old = old.exp()
+    per_token = {}
+    for t in range(30):  # every token as "the sampled one"
+        _, m = clipped(new[:, t:t + 1], old[:, t:t + 1], torch.ones(1, 1, **F64), torch.ones(1, 1, dtype=torch.bool))
+        per_token[t] = m["policy/approx_kl"]
+    expected = float((p_old * (old - new)).sum())
+    assert sum(float(p_old[0, t]) * v for t, v in per_token.items()) == pytest.approx(expected, rel=1e-9)
+
+
+def test_truncated_importance_weights_hand_computed():
+    from rlft.algorithms.policy_loss import truncated_importance_weights
+
+    trainer = torch.tensor([[-1.0, -1.0, -1.0, -5.0]], **F64)
+    engine = torch.tensor([[-1.0, -1.5, -3.0, -1.0]], **F64)
+    mask = torch.tensor([[True, True, True, False]])
+    w, m = truncated_importance_weights(trainer, engine, mask, cap=2.0)
+    # exp(0) = 1; exp(0.5) = 1.6487; exp(2) = 7.389 -> capped at 2; padding -> 1
+    torch.testing.assert_close(w, torch.tensor([[1.0, math.exp(0.5), 2.0, 1.0]], **F64))
+    assert m["rollout/tis_capped_frac"] == pytest.approx(1 / 3)
+    assert m["rollout/tis_weight_mean"] == pytest.approx((1 + math.exp(0.5) + 2) / 3)
+    assert not w.requires_grad
+
+
+def test_tis_scales_the_policy_gradient_term_by_its_weight():
+    # one update step as rl_update does it: loss_t = w_t * clipped_t. With ratio 1 (pi = pi_old)
+    # and A = 2 the clipped loss is -1 * 2 per token and d/dlogp = -2; TIS multiplies both by w.
+    from rlft.algorithms.policy_loss import truncated_importance_weights
+
+    logprobs = torch.tensor([[-1.0, -2.0]], **F64, requires_grad=True)
+    engine = torch.tensor([[-1.25, -1.0]], **F64)  # w = exp(0.25) = 1.284, exp(-1) = 0.3679
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    per_token, _ = clipped(logprobs, logprobs.detach(), torch.full((1, 2), 2.0, **F64), mask)
+    w, _ = truncated_importance_weights(logprobs, engine, mask, cap=2.0)
+    (per_token * w).sum().backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-2 * math.exp(0.25), -2 * math.exp(-1.0)]], **F64))

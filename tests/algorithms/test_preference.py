@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlft.algorithms.preference import PREFERENCE_LOSSES, bradley_terry
+from rlft.algorithms.preference_losses import PREFERENCE_LOSSES, bradley_terry
 
 F64 = dict(dtype=torch.float64)
 

@@ -97,6 +97,18 @@ def test_grade_hand_computed():
     assert custom.score == pytest.approx(0.5)
 
 
+def test_running_cleanly_earns_nothing_without_a_passing_test():
+    # every case runs and prints a wrong answer: parse 0.2 only (run credit needs >= 1 pass; it
+    # used to be 0.2 + 0.4 = 0.6 for a program that solves nothing)
+    suite = parse_tests({"cases": [{"stdin": "", "stdout": str(i)} for i in range(3)]})
+    verdict = grade(suite, [_report(stdout="7")] * 3, Credit(), {})
+    assert verdict.parts == pytest.approx({"parse": 0.2, "run": 0.0, "tests": 0.0})
+    assert verdict.score == pytest.approx(0.2) and verdict.status == "wrong_answer"
+    # one pass brings the run credit back in full: 0.2 + 0.4 x 3/3 + 0.4 x 1/3
+    verdict = grade(suite, [_report(stdout="0")] + [_report(stdout="7")] * 2, Credit(), {})
+    assert verdict.score == pytest.approx(0.2 + 0.4 + 0.4 / 3)
+
+
 def test_extract_code_prefers_the_last_block_in_the_language():
     text = "```python\nprint(1)\n```\ntext\n```js\nconsole.log(2)\n```\n```py\nprint(3)\n```\n```\nplain\n```"
     assert extract_code(text) == "print(3)\n"

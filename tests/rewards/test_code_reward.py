@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from rlft.cli_sandbox import app as sandbox_app
 from rlft.config import RewardSpec
 from rlft.rewards import RewardScorer
-from rlft.rewards.base import BUILTIN_REWARDS
+from rlft.rewards.scoring import BUILTIN_REWARDS
 from rlft.rewards.code import judge_completion
 
 TESTS = {"fn_name": "square", "cases": [{"input": [2], "output": 4}, {"input": [3], "output": 9}]}

@@ -11,7 +11,7 @@ from fractions import Fraction
 
 import pytest
 
-from rlft.rewards.base import BUILTIN_REWARDS
+from rlft.rewards.scoring import BUILTIN_REWARDS
 from rlft.rewards.math import (HEDGE, boxed_contents, check_answer, extract_answer, fast_compare, gold_answer,
                                plain_number, verifier_pool)
 
@@ -148,7 +148,7 @@ def test_long_answers_are_not_parsed(reward):
 
 def test_the_calling_process_never_imports_the_parser():
     """Parsing model text can hang or blow up; it only ever happens in the workers."""
-    code = ("import sys\nfrom rlft.rewards.base import BUILTIN_REWARDS\n"
+    code = ("import sys\nfrom rlft.rewards.scoring import BUILTIN_REWARDS\n"
             "f = BUILTIN_REWARDS['math'](workers=1)\n"
             "assert f('q', r'\\boxed{x+1}', answer='1+x') == 1.0\n"
             "print('math_verify' in sys.modules, 'sympy' in sys.modules)\n")

@@ -9,7 +9,7 @@ from rlft.config import RewardSpec
 from rlft.errors import RlftError
 from rlft.models.tiny import build_tokenizer
 from rlft.rewards import RewardScorer
-from rlft.rewards.base import BUILTIN_REWARDS
+from rlft.rewards.scoring import BUILTIN_REWARDS
 
 PROMPTS = ["What is 2 + 2?", "Name a colour.", "Hi", "Sum 10 and 5, show the steps.", "x"]
 COMPLETIONS = ["4", "Blue, or maybe green.", "Hello there, how can I help you today?", "10 + 5 = 15", ""]
@@ -51,6 +51,19 @@ def test_scores_match_a_direct_forward_of_the_chat_rendering(tiny_rm):
                                           {"role": "assistant", "content": COMPLETIONS[0]}], tokenize=False)
     assert "<|im_start|>assistant\n4<|im_end|>" in text
     assert fn(PROMPTS[0], COMPLETIONS[0]) == pytest.approx(_direct_score(model, tokenizer, text, False), rel=1e-4)
+
+
+def test_the_whole_conversation_is_scored_when_the_trainer_passes_it(tiny_rm):
+    # a system prompt and earlier turns reach the RM (it was trained on whole conversations);
+    # the positional prompt is only the last message
+    path, model, tokenizer = tiny_rm
+    fn = BUILTIN_REWARDS["reward_model"](path=path)
+    conversation = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Hello."}, {"role": "user", "content": PROMPTS[0]}]
+    text = tokenizer.apply_chat_template(conversation + [{"role": "assistant", "content": "4"}], tokenize=False)
+    whole = fn(PROMPTS[0], "4", messages=conversation)
+    assert whole == pytest.approx(_direct_score(model, tokenizer, text, False), rel=1e-4)
+    assert whole != pytest.approx(fn(PROMPTS[0], "4"), rel=1e-4)  # the last message alone scores differently
 
 
 def test_batching_and_padding_do_not_change_scores(tiny_rm):

@@ -4,7 +4,7 @@ import pytest
 
 from rlft.config import RewardSpec
 from rlft.rewards import RewardScorer
-from rlft.rewards.base import BUILTIN_REWARDS
+from rlft.rewards.scoring import BUILTIN_REWARDS
 from rlft.rewards.shaping import repetition_rate
 
 

@@ -13,7 +13,7 @@ from rlft.algorithms.kl import (
     make_kl_controller,
 )
 from rlft.algorithms.policy_loss import POLICY_LOSSES
-from rlft.algorithms.preference import PREFERENCE_LOSSES, bradley_terry
+from rlft.algorithms.preference_losses import PREFERENCE_LOSSES, bradley_terry
 from rlft.algorithms.value import clipped_value_loss, discounted_returns, gae
 
 __all__ = [

@@ -23,10 +23,21 @@ def k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return 0.5 * (logprobs - ref_logprobs) ** 2
 
 
+# k3 grows like e^x in the log gap x: a token the policy has made much less likely than the
+# reference did would give inf (and a skipped step, or a jump of an adaptive beta). The gap is
+# clamped to +-K3_MAX_LOG_RATIO and the estimate to <= K3_MAX, the bounds veRL uses for its
+# "low_var_kl"; inside them (|gap| < ~2.4) the estimate is exact.
+K3_MAX_LOG_RATIO = 20.0
+K3_MAX = 10.0
+
+
 def k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """exp(log ref - log pi) - (log ref - log pi) - 1: unbiased and >= 0 (e^x >= 1 + x)."""
-    log_ratio = ref_logprobs - logprobs
-    return log_ratio.exp() - log_ratio - 1
+    """exp(log ref - log pi) - (log ref - log pi) - 1: unbiased and >= 0 (e^x >= 1 + x).
+
+    Bounded: the log gap is clamped to [-20, 20] and the result to at most 10 (see K3_MAX), so
+    one far-off token cannot make the loss or the measured KL infinite."""
+    log_ratio = (ref_logprobs - logprobs).clamp(-K3_MAX_LOG_RATIO, K3_MAX_LOG_RATIO)
+    return (log_ratio.exp() - log_ratio - 1).clamp(max=K3_MAX)
 
 
 KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": k1, "k2": k2, "k3": k3}
@@ -49,7 +60,8 @@ class FixedKLController:
 
 
 class AdaptiveKLController:
-    """Steer the measured KL toward `target` by a multiplicative step on beta (seed 002 §4.5).
+    """Steer the measured KL toward `target` by a multiplicative step on beta (the adaptive KL
+    penalty of Ziegler et al., arXiv:1909.08593, with a dead band instead of a proportional step).
 
     KL above 1.5x target: beta *= factor; below 0.5x target: beta /= factor; else unchanged.
     The dead band keeps beta from oscillating on per-step noise.

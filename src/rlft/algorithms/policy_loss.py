@@ -56,8 +56,9 @@ def clipped(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, completi
         high = (adv > 0) & (ratio > 1 + clip_high) & mask
         any_tok = bool(mask.any())
         masked_ratio = ratio[mask]
-        # k3 estimate of KL(pi_old || pi) on the sampled tokens: how far this update has moved.
-        approx_kl = torch.where(mask, (-log_ratio).exp() - 1 + log_ratio, 0.0).sum() / n
+        # How far this update has moved: KL(pi_old || pi), estimated on tokens sampled from pi_old
+        # with k3 = (r - 1) - log r, r = pi / pi_old (Schulman, http://joschu.net/blog/kl-approx.html).
+        approx_kl = torch.where(mask, ratio - 1 - log_ratio, 0.0).sum() / n
         metrics = {
             "clip/low_frac": float(low.sum() / n),
             "clip/high_frac": float(high.sum() / n),
@@ -71,3 +72,26 @@ def clipped(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, completi
 
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {"clipped": clipped}
+
+
+def truncated_importance_weights(trainer_logprobs: Tensor, engine_logprobs: Tensor, completion_mask: Tensor,
+                                 cap: float) -> tuple[Tensor, dict[str, float]]:
+    """Per-token weights min(pi_trainer / pi_engine, cap) for tokens sampled by an inference engine
+    whose numerics differ from the trainer's (truncated importance sampling, as in Yao et al.,
+    "Your efficient RL framework secretly brings you off-policy RL training", 2025): the policy
+    gradient is taken under pi_trainer, the samples came from pi_engine. Detached; 1 outside the
+    mask. `[N, T] -> ([N, T], metrics)`.
+
+    >>> w, _ = truncated_importance_weights(torch.tensor([[0.0, 0.0]]), torch.tensor([[0.0, -2.0]]),
+    ...                                     torch.tensor([[True, True]]), cap=2.0)
+    >>> w  # exp(0) = 1; exp(2) = 7.39 capped at 2
+    tensor([[1., 2.]])
+    """
+    mask = completion_mask.bool()
+    log_ratio = torch.where(mask, trainer_logprobs.detach() - engine_logprobs, 0.0).clamp(max=_MAX_LOG_RATIO)
+    ratio = log_ratio.exp()
+    weights = ratio.clamp(max=cap)
+    n = mask.sum().clamp(min=1)
+    metrics = {"rollout/tis_weight_mean": float(torch.where(mask, weights, 0.0).sum() / n),
+               "rollout/tis_capped_frac": float(((ratio > cap) & mask).sum() / n)}
+    return torch.where(mask, weights, 1.0), metrics

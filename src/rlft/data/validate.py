@@ -11,7 +11,7 @@ import logging
 from collections import defaultdict
 from typing import Any, Callable, Iterable, TypeVar
 
-from rlft.data.loading import Row
+from rlft.data.readers import Row
 from rlft.errors import DataError
 
 log = logging.getLogger(__name__)

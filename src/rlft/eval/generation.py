@@ -10,8 +10,8 @@ from typing import Any, Sequence
 
 from rlft.config import EvalConfig
 from rlft.data.prompts import PromptExample
-from rlft.rewards.base import RewardScorer, scoring_row
-from rlft.rollout.base import Completion, Engine, SamplingParams
+from rlft.rewards.scoring import RewardScorer, score_completions
+from rlft.rollout.contract import Completion, Engine, SamplingParams
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -65,10 +65,8 @@ def evaluate_prompts(engine: Engine, examples: Sequence[PromptExample], cfg: Eva
 
 
 def _add_reward_metrics(m, records, examples, completions, scorer, cfg, prefix) -> None:
-    rows = [scoring_row(examples[c.prompt_index].fields, c.finish_reason, len(c.completion_ids), cfg.max_new_tokens)
-            for c in completions]
-    scores = scorer.score([examples[c.prompt_index].prompt_text for c in completions],
-                          [c.text for c in completions], rows)
+    scores = score_completions(scorer, [examples[c.prompt_index] for c in completions], completions,
+                               cfg.max_new_tokens)
     name = cfg.correct_component or scorer.components[0][0]
     if name not in scores.components:
         raise ValueError(f"eval.correct_component {name!r} is not a reward component "

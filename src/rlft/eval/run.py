@@ -7,14 +7,14 @@ from pathlib import Path
 from typing import Any
 
 from rlft.config import EvalConfig, LoraConfig, ModelConfig, RewardSpec
-from rlft.data.loading import read_rows
+from rlft.data.readers import read_rows
 from rlft.data.prompts import make_prompt_encoder
 from rlft.data.validate import check_rows
 from rlft.errors import RlftError
 from rlft.eval.generation import EvalResult, evaluate_prompts
 from rlft.models.loading import load_policy
-from rlft.rewards.base import RewardScorer
-from rlft.rollout.hf import HFEngine, generation_stop_ids
+from rlft.rewards.scoring import RewardScorer
+from rlft.rollout import build_engine
 
 
 def resolve_model(target: str | Path) -> tuple[Path, Path | None]:
@@ -35,11 +35,10 @@ def evaluate_model(target: str | Path, data: str, rewards: list[RewardSpec], cfg
     scorer = RewardScorer(rewards) if rewards else None
     encode = make_prompt_encoder(policy.tokenizer, max_prompt_length, scorer.required_fields if scorer else ())
     examples = check_rows(read_rows(data, split), encode, data, "eval prompt")
-    stop_ids = generation_stop_ids(policy.model, policy.tokenizer)
-    engine = HFEngine(policy.model, policy.tokenizer, stop_ids, policy.device, seed=seed, batch_size=cfg.batch_size)
+    engine = build_engine(policy, seed, batch_size=cfg.batch_size)
     result = evaluate_prompts(engine, examples, cfg, scorer, prefix=prefix, seed=seed)
     if run_dir is not None and write_summary:
-        from rlft.train.rundir import RunDir
+        from rlft.monitor.rundir import RunDir
 
         RunDir(run_dir).update_summary({**result.metrics, f"{prefix}data": str(data)})
     return result

@@ -124,6 +124,23 @@ def load_policy(cfg: ModelConfig, lora: LoraConfig) -> LoadedModel:
     return LoadedModel(model=model, tokenizer=tokenizer, device=device, is_lora=lora.enabled)
 
 
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Turn every dropout off (LoRA's included) while keeping train mode (gradient checkpointing
+    needs it). Methods that compare the trained policy with itself need this: online RL's
+    importance ratio pi / pi_old is 1 on-policy only if both forwards are deterministic, and so
+    are DPO's policy-vs-reference log-ratios at step 0."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name in ("attention_dropout", "dropout"):  # functional dropout rates some attention modules keep
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+    config = getattr(model, "config", None)
+    for name in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if isinstance(getattr(config, name, None), float):
+            setattr(config, name, 0.0)
+
+
 def apply_lora(model: Any, lora: LoraConfig, task_type: str = "CAUSAL_LM") -> Any:
     """peft LoRA; with task_type SEQ_CLS peft also trains and saves the new score head in full."""
     from peft import LoraConfig as PeftLoraConfig

@@ -1,7 +1,7 @@
 """Chat templates: rendering, tokenizing without double specials, and the template fingerprint.
 
-The template used in RL must be exactly the one used in SFT (seed 002 §4.2: one extra newline
-before the assistant turn made KL explode). Every checkpoint and export carries a rendering of a
+The template used in RL must be exactly the one used in SFT: one extra newline before the
+assistant turn is a different prompt to the model, and its KL to the SFT reference explodes. Every checkpoint and export carries a rendering of a
 fixed probe conversation; a run that starts from it renders the probe again and stops on any
 difference, showing the first differing characters.
 """

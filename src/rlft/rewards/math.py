@@ -32,7 +32,7 @@ import time
 from fractions import Fraction
 from typing import Any
 
-from rlft.rewards.base import RewardFn, register_reward
+from rlft.rewards.scoring import RewardFn, register_reward
 
 log = logging.getLogger(__name__)
 

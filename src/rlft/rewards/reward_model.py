@@ -1,13 +1,14 @@
 """The `reward_model` reward: a sequence-classification model's score of prompt + completion.
 
-- Rendering: with the tokenizer's chat template, [user: prompt, assistant: completion] rendered
-  as the RM saw its training pairs; without one, prompt + completion as plain text (and the
-  tokenizer adds its own special tokens).
+- Rendering: with the tokenizer's chat template, the conversation that was answered (`messages`:
+  system prompt and earlier turns included, as the trainer passes them; else [user: prompt])
+  plus [assistant: completion], rendered as the RM saw its training pairs; without a template,
+  the text of the conversation + completion (and the tokenizer adds its own special tokens).
 - Batched: `fn.batch` scores `batch_size` samples per forward pass (the scorer calls it once per
   step instead of once per sample). Truncation keeps the *end* of long inputs: the score is read
   at the last token, so the completion must survive.
-- Length normalisation (optional, `length_coef` > 0): reward models favour longer answers (seed
-  002 §3.2), so the score becomes `score - length_coef * ln(1 + completion tokens)`. A log keeps
+- Length normalisation (optional, `length_coef` > 0): reward models favour longer answers
+  (Singhal et al., arXiv:2310.03716), so the score becomes `score - length_coef * ln(1 + completion tokens)`. A log keeps
   doubling the length equally costly at any length, and a subtraction, unlike a division, cannot
   make a long bad answer (negative score) look better than a short one.
 - `clip` bounds the result to [-clip, clip] (rewards in a fixed range).
@@ -20,7 +21,7 @@ import threading
 from typing import Any
 
 from rlft.errors import RlftError
-from rlft.rewards.base import RewardFn, register_reward
+from rlft.rewards.scoring import RewardFn, register_reward
 
 _ROUND_TRIP_PROBE = "a  b\n\tc 12 + 3 = 15"
 
@@ -87,8 +88,11 @@ def reward_model(path: str, batch_size: int = 8, max_length: int = 2048, device:
     def batch(prompts: list[Any], completions: list[str], rows: list[dict[str, Any]]) -> list[float]:
         scores: list[float] = []
         for start in range(0, len(completions), batch_size):
-            chunk = [render(tokenizer, p, c) for p, c in zip(prompts[start:start + batch_size],
-                                                              completions[start:start + batch_size])]
+            # the whole conversation when the trainer passes it (system prompt and earlier turns are
+            # what a reward model trained on conversations scores), else the prompt alone
+            chunk = [render(tokenizer, r.get("messages") or p, c) for p, c, r in
+                     zip(prompts[start:start + batch_size], completions[start:start + batch_size],
+                         rows[start:start + batch_size])]
             # Every rendered text in a chunk has the same template state, so one flag suffices.
             enc = tokenizer([t for t, _ in chunk], add_special_tokens=not chunk[0][1], padding=True,
                             truncation=True, max_length=max_length, return_tensors="pt").to(device)

@@ -1,7 +1,7 @@
 """Rule rewards: exact match, regex / format, JSON with required fields.
 
 Each built-in is a factory (its config `args` are the factory's arguments) returning a function
-with the reward contract of `rlft.rewards.base`.
+with the reward contract of `rlft.rewards.scoring`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 import re
 from typing import Any
 
-from rlft.rewards.base import RewardFn, register_reward
+from rlft.rewards.scoring import RewardFn, register_reward
 
 
 @register_reward("exact_match")
@@ -36,8 +36,8 @@ def exact_match(field: str = "answer", strip: bool = True, case_sensitive: bool 
 def regex(pattern: str, mode: str = "search", flags: str = "") -> RewardFn:
     """1.0 when the completion matches `pattern` (mode: search | fullmatch), else 0.0.
 
-    A format check: use it next to a content check, never alone (seed 002 §3.3: rules that only
-    check form get hacked).
+    A format check: use it next to a content check, never alone (a reward that only checks form
+    is satisfied by well-formed wrong answers).
 
     >>> regex(r"The answer is \\d+\\.", mode="fullmatch")("q", "The answer is 7.")
     1.0

@@ -1,5 +1,6 @@
-"""Shaping rewards and guards: small terms added next to a correctness reward (seed 002 §5.1,
-§7 point 4) so that length, repetition and truncation cannot be exploited, and a safety guard.
+"""Shaping rewards and guards: small terms added next to a correctness reward so that length,
+repetition and truncation cannot be exploited (policies learn to pad, loop and ramble when only
+the answer is checked; DAPO, arXiv:2503.14476, §3.4), and a safety guard.
 
 Each is its own registered factory and so its own logged component. Token counts come from the
 trainer (`row['completion_tokens']`, `row['max_new_tokens']`, `row['finish_reason']`); a
@@ -11,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from rlft.rewards.base import RewardFn, register_reward
+from rlft.rewards.scoring import RewardFn, register_reward
 
 
 def _row_int(row: dict[str, Any], key: str, who: str) -> int:
@@ -71,7 +72,7 @@ def repetition_penalty(n: int = 3, scale: float = 1.0, unit: str = "word") -> Re
 @register_reward("finish_cleanly")
 def finish_cleanly(penalty: float = 0.1, bonus: float = 0.05) -> RewardFn:
     """-penalty when generation hit max length without EOS (finish_reason 'length'), +bonus for a
-    clean stop (seed 002 §7 point 4: answer-then-stop, cutting useless length)."""
+    clean stop: answer, then stop, instead of running on to the length limit."""
 
     def reward(prompt: str, completion: str, **row: Any) -> float:
         reason = row.get("finish_reason")
@@ -115,7 +116,7 @@ def overlong(cache_tokens: int | None = None, cache_fraction: float = 0.2) -> Re
 @register_reward("safety_guard")
 def safety_guard(patterns: list[str] | None = None, words: list[str] | None = None, floor: float = -1.0,
                  case_sensitive: bool = False) -> RewardFn:
-    """A guard (seed 000 §7.5): `floor` when the completion matches any regex in `patterns` or
+    """A guard: `floor` when the completion matches any regex in `patterns` or
     contains any of `words` (whole words), else 0.0. The scorer replaces the whole total with the
     floor when a guard fires, whatever else the sample earned.
 

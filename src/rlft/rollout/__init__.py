@@ -1,4 +1,7 @@
-"""Rollout engines: `hf` (the training model itself) and `vllm` (an optional extra)."""
+"""Rollout engines: `hf` (the training model itself) and `vllm` (an optional extra).
+
+`build_engine` is the one way to make an engine, for training rollouts and evaluations alike.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +9,19 @@ from typing import Any
 
 from rlft.config import RolloutConfig
 from rlft.errors import RlftError
-from rlft.rollout.base import Completion, Engine, SamplingParams
+from rlft.rollout.contract import Completion, Engine, SamplingParams
 
 
-def build_engine(cfg: RolloutConfig, policy: Any, stop_ids: list[int], seed: int) -> Engine:
-    if cfg.engine == "hf":
-        from rlft.rollout.hf import HFEngine
+def build_engine(policy: Any, seed: int, engine: str = "hf", batch_size: int | None = None,
+                 fast_decode: bool = True) -> Engine:
+    """An engine that samples from `policy` (a LoadedModel), stopping where `model.generate`
+    would (the chat template's end-of-turn token, EOS and the checkpoint's declared EOS ids)."""
+    if engine == "hf":
+        from rlft.rollout.hf import HFEngine, generation_stop_ids
 
-        return HFEngine(policy.model, policy.tokenizer, stop_ids, policy.device, seed=seed, batch_size=cfg.batch_size,
-                        fast_decode=cfg.fast_decode)
+        stop_ids = generation_stop_ids(policy.model, policy.tokenizer)
+        return HFEngine(policy.model, policy.tokenizer, stop_ids, policy.device, seed=seed, batch_size=batch_size,
+                        fast_decode=fast_decode)
     try:
         import vllm  # noqa: F401
     except ImportError:
@@ -23,9 +30,14 @@ def build_engine(cfg: RolloutConfig, policy: Any, stop_ids: list[int], seed: int
     raise RlftError("rollout.engine=vllm is not available in this version; use rollout.engine=hf")
 
 
+def rollout_engine(cfg: RolloutConfig, policy: Any, seed: int) -> Engine:
+    """The training run's engine, as `rollout` configures it."""
+    return build_engine(policy, seed, cfg.engine, cfg.batch_size, cfg.fast_decode)
+
+
 def sampling_params(cfg: RolloutConfig) -> SamplingParams:
     return SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                           max_new_tokens=cfg.max_new_tokens, stop=tuple(cfg.stop))
 
 
-__all__ = ["Completion", "Engine", "SamplingParams", "build_engine", "sampling_params"]
+__all__ = ["Completion", "Engine", "SamplingParams", "build_engine", "rollout_engine", "sampling_params"]

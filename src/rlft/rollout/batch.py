@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from rlft.rollout.base import Completion
+from rlft.rollout.contract import Completion
 
 
 @dataclass

@@ -15,9 +15,9 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from rlft.models.template import end_of_turn_ids
-from rlft.rollout.base import Completion, SamplingParams
+from rlft.rollout.contract import Completion, SamplingParams
 from rlft.rollout.fast_decode import LeanDecoder
-from rlft.train.logprobs import position_ids_for
+from rlft.models.forward import position_ids_for
 
 
 def generation_stop_ids(model: Any, tokenizer: Any) -> list[int]:

@@ -102,9 +102,11 @@ def values_equal(got: Any, expected: Any) -> bool:
 
 @dataclass(frozen=True)
 class Credit:
-    """Graded credit (seed 002 §3.3): parses, runs, tests × pass ratio. `run` is scaled by the
-    fraction of cases that ran cleanly, so it equals the seed's 0.4 when every case runs and still
-    gives a gradient when some crash."""
+    """Graded credit: parses, runs, tests × pass ratio. `run` is scaled by the fraction of cases
+    that ran cleanly, so it is the full 0.4 when every case runs and still gives a gradient when
+    some crash -- but only once at least one test passes: a program that runs cleanly and passes
+    nothing (prints a constant, returns None) would otherwise earn 0.6, a standing invitation to
+    reward hacking on weak test sets."""
 
     parse: float = 0.2
     run: float = 0.4
@@ -211,7 +213,8 @@ def grade(suite: Suite, reports: list[dict[str, Any]], credit: Credit, layers: d
         ran += clean
     total = len(suite.cases)
     passed = sum(r.passed for r in results)
-    parts = {"parse": credit.parse, "run": credit.run * ran / total, "tests": credit.tests * passed / total}
+    run = credit.run * ran / total if passed else 0.0  # running counts only with a passing test (see Credit)
+    parts = {"parse": credit.parse, "run": run, "tests": credit.tests * passed / total}
     failing = next((r for r in results if not r.passed), None)
     status = "ok" if failing is None else ("timeout" if failing.status == "not_run" else failing.status)
     message = "" if failing is None else f"case {failing.index}: {failing.status} {failing.detail}".strip()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from rlft.rewards.base import RewardFn, RewardValue, register_reward
+from rlft.rewards.scoring import RewardFn, RewardValue, register_reward
 from rlft.rewards.code.cases import BadTests, Credit, Verdict, parse_tests, unverifiable, zero
 from rlft.rewards.code.sandbox import Limits, run_program
 
@@ -68,7 +68,8 @@ def code(
     allow_unfenced: bool = False,
 ) -> RewardFn:
     """Graded credit for a program run against row[field] in the sandbox:
-    parse (compiles) + run (× fraction of cases that ran cleanly) + tests (× pass ratio).
+    parse (compiles) + run (× fraction of cases that ran cleanly; only once a test passes) + tests
+    (× pass ratio).
 
     Returns {"parse", "run", "tests"} (each logged as code/<part>); 0 for no code; None when the
     tests are malformed or the sandbox failed (unverifiable, left out of the group baseline).

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from rlft.data.loading import Row
+from rlft.data.readers import Row
 from rlft.data.validate import RowError, check_messages, require_field, require_fields
 from rlft.models.template import Messages, as_messages, encode_text, render
 

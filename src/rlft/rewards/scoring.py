@@ -2,9 +2,12 @@
 composition with a logged value per component.
 
 A reward function is `fn(prompt, completion, **row) -> float | None | dict[str, float | None]`:
-- `row` holds the dataset row's other fields (e.g. `answer`, `tests`; a reference answer stored as
-  `completion` arrives as `reference_completion`) plus what the trainer knows about the sample:
-  `finish_reason` ('stop' | 'length'), `completion_tokens`, `max_new_tokens`.
+- `prompt` is the last message of the conversation (the question); `row` holds the dataset row's
+  other fields (e.g. `answer`, `tests`; a reference answer stored as `completion` arrives as
+  `reference_completion`) plus what the trainer knows about the sample: `messages` (the whole
+  conversation answered, system prompt and earlier turns included), `rendered_prompt` (that
+  conversation through the chat template, exactly as the model saw it), `finish_reason`
+  ('stop' | 'length'), `completion_tokens`, `max_new_tokens`.
   Functions take `**kwargs` and ignore what they don't use.
 - `None` means "could not be verified" (a sandbox that failed to start, a malformed test): the
   sample is left out of its group's baseline and gets advantage 0, and it is counted.
@@ -15,8 +18,8 @@ Two optional attributes on a reward function change how it is called or combined
 - `fn.batch(prompts, completions, rows) -> list[RewardValue]`: scored in one call (a reward
   model batches its forward passes) instead of one call per sample on a thread pool;
 - `fn.is_guard = True`: a guard (e.g. a safety filter) returns 0.0 when the sample is fine and
-  the floor value when it fires; a firing guard replaces the whole total (seed 000 §7.5: unsafe
-  output gets the minimum reward, whatever else it earned).
+  the floor value when it fires; a firing guard replaces the whole total (unsafe output gets
+  the minimum reward, whatever else it earned: no correctness credit can buy it back).
 """
 
 from __future__ import annotations
@@ -109,16 +112,32 @@ def build_reward(spec: RewardSpec) -> tuple[str, RewardFn]:
     return spec.name or spec.fn, factory(**spec.args)
 
 
-def scoring_row(fields: dict[str, Any], finish_reason: str, completion_tokens: int,
-                max_new_tokens: int) -> dict[str, Any]:
+def scoring_row(fields: dict[str, Any], finish_reason: str, completion_tokens: int, max_new_tokens: int,
+                messages: list[dict[str, Any]] | None = None, rendered_prompt: str | None = None) -> dict[str, Any]:
     """The keyword arguments a reward gets for one sample: the prompt row's fields plus what the
-    generation adds (SCORING_FIELDS)."""
-    return dict(fields, finish_reason=finish_reason, completion_tokens=completion_tokens,
-                max_new_tokens=max_new_tokens)
+    generation adds (SCORING_FIELDS): the whole conversation that was answered (`messages`: system
+    prompt and earlier turns included) and the prompt text exactly as the model saw it
+    (`rendered_prompt`: chat template applied)."""
+    row = dict(fields, finish_reason=finish_reason, completion_tokens=completion_tokens,
+               max_new_tokens=max_new_tokens)
+    if messages is not None:
+        row["messages"] = messages
+    if rendered_prompt is not None:
+        row["rendered_prompt"] = rendered_prompt
+    return row
+
+
+def score_completions(scorer: "RewardScorer", examples: list[Any], completions: list[Any],
+                      max_new_tokens: int) -> "Scores":
+    """Score completion i as the answer to examples[i] (a PromptExample: its last message, fields,
+    conversation and rendered prompt; a Completion: text, finish reason, token count)."""
+    rows = [scoring_row(e.fields, c.finish_reason, len(c.completion_ids), max_new_tokens, e.messages, e.rendered)
+            for e, c in zip(examples, completions)]
+    return scorer.score([e.prompt_text for e in examples], [c.text for c in completions], rows)
 
 
 # added to every row by scoring_row, so never required from the data
-SCORING_FIELDS = ("finish_reason", "completion_tokens", "max_new_tokens")
+SCORING_FIELDS = ("finish_reason", "completion_tokens", "max_new_tokens", "messages", "rendered_prompt")
 
 
 def _fields_without_default(fn: Callable[..., Any], bound: dict[str, Any]) -> tuple[str, ...]:

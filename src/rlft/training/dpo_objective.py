@@ -1,10 +1,14 @@
 """DPO (arXiv:2305.18290) and its IPO / hinge variants as an offline objective.
 
-- Sequence log-probs: the summed log-prob of each answer's target tokens (assistant text and its
-  end-of-turn token), chosen and rejected from one forward over the batch [chosen; rejected].
+- Sequence log-probs: the log-probs of each answer's target tokens (assistant text and its
+  end-of-turn token), chosen and rejected from one forward over the batch [chosen; rejected];
+  summed for DPO and the hinge, averaged per token for IPO (`LOGP_REDUCTION`: IPO's target
+  margin 1/(2 beta) is on a per-token scale, arXiv:2310.12036).
 - Reference: `Reference(policy)` -- the policy with adapters disabled under LoRA, else a frozen
   copy taken before training (and before a resume loads trained weights, so it is always the
   starting model). With `dpo.precompute_ref` every pair is scored once up front instead.
+- Dropout is off in the policy: with it, the policy and the (dropout-free) reference would
+  disagree on identical weights, and the implicit reward would be noise at step 0.
 - Normalisation: per-pair losses are summed and divided by the number of pairs in the whole
   optimizer step, so gradient accumulation gives the gradient of one big batch.
 - `dpo.nll_coef` adds the chosen answer's NLL (mean per token, then per pair), the auxiliary term
@@ -17,11 +21,11 @@ from typing import Any
 
 import torch
 
-from rlft.algorithms.preference import PREFERENCE_LOSSES
-from rlft.data.preference import PreferenceExample, collate_pairs, load_preference_splits
-from rlft.models.loading import Reference
-from rlft.train.logprobs import forward_logits, selected_logprobs
-from rlft.train.session import TrainingSession
+from rlft.algorithms.preference_losses import LOGP_REDUCTION, PREFERENCE_LOSSES
+from rlft.config import DataConfig, DpoConfig
+from rlft.data.pairs import PreferenceExample, collate_pairs, load_preference_splits
+from rlft.models.forward import forward_logits, selected_logprobs
+from rlft.models.loading import LoadedModel, Reference, disable_dropout
 
 
 def sequence_logprobs(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,23 +48,24 @@ class DpoObjective:
     progress_keys = ["loss", "lr", "grad_norm", "rewards/accuracy", "rewards/margin",
                      "eval/rewards/accuracy", "eval/rewards/margin"]
 
-    def __init__(self) -> None:
+    def __init__(self, data: DataConfig, dpo: DpoConfig, chunk: int):
+        """`chunk`: pairs per forward outside training (reference scoring, evaluation)."""
+        self.data, self.dpo, self.chunk = data, dpo, chunk
+        self.loss_fn = PREFERENCE_LOSSES[dpo.loss]
+        self.mean_logps = LOGP_REDUCTION[dpo.loss] == "mean"
         self.pad_id = 0
         self.reference: Reference | None = None
 
-    def prepare(self, session: TrainingSession) -> tuple[list[PreferenceExample], list[PreferenceExample]]:
-        cfg, tok = session.config, session.policy.tokenizer
-        self.pad_id = tok.pad_token_id
-        self.loss_fn = PREFERENCE_LOSSES[cfg.dpo.loss]
-        self.beta, self.label_smoothing, self.nll_coef = cfg.dpo.beta, cfg.dpo.label_smoothing, cfg.dpo.nll_coef
-        self.chunk = cfg.training.micro_batch_size or cfg.training.batch_size
-        train, evals = load_preference_splits(session)
-        self.reference = Reference(session.policy)
-        if cfg.dpo.precompute_ref:
+    def prepare(self, policy: LoadedModel) -> tuple[list[PreferenceExample], list[PreferenceExample], dict]:
+        self.pad_id = policy.tokenizer.pad_token_id
+        disable_dropout(policy.model)
+        train, evals, data_summary = load_preference_splits(policy.tokenizer, self.data)
+        self.reference = Reference(policy)
+        if self.dpo.precompute_ref:
             for examples in (train, evals):
-                self._precompute(examples, session.policy.device)
+                self._precompute(examples, policy.device)
             self.reference = None  # a full fine-tune's frozen copy is no longer needed
-        return train, evals
+        return train, evals, data_summary
 
     def normaliser(self, examples: list[PreferenceExample]) -> float:
         return float(len(examples))
@@ -68,12 +73,17 @@ class DpoObjective:
     def _batch(self, examples: list[PreferenceExample], device: torch.device) -> dict[str, torch.Tensor]:
         return {k: v.to(device) for k, v in collate_pairs(examples, self.pad_id).items()}
 
+    def _answer_logps(self, model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(answer log-prob as the loss wants it: summed or per-token mean, answer tokens)  # [2B], [2B]"""
+        logps, counts = sequence_logprobs(model, batch)
+        return (logps / counts if self.mean_logps else logps), counts
+
     @torch.no_grad()
     def _precompute(self, examples: list[PreferenceExample], device: torch.device) -> None:
         for i in range(0, len(examples), self.chunk):
             chunk = examples[i:i + self.chunk]
             with self.reference.model() as ref:
-                logps, _ = sequence_logprobs(ref, self._batch(chunk, device))
+                logps, _ = self._answer_logps(ref, self._batch(chunk, device))
             for e, c, r in zip(chunk, logps[:len(chunk)].tolist(), logps[len(chunk):].tolist()):
                 e.ref_chosen_logp, e.ref_rejected_logp = c, r
 
@@ -85,20 +95,20 @@ class DpoObjective:
             values = [e.ref_chosen_logp for e in examples] + [e.ref_rejected_logp for e in examples]
             return torch.tensor(values, dtype=like.dtype, device=like.device)
         with self.reference.model() as ref:
-            return sequence_logprobs(ref, batch)[0]
+            return self._answer_logps(ref, batch)[0]
 
     def _pair_losses(self, model: Any, examples: list[PreferenceExample],
                      ) -> tuple[torch.Tensor, dict[str, float], dict[str, torch.Tensor]]:
         """Per-pair loss [B] with the preference metrics (means over these pairs)."""
         batch = self._batch(examples, next(model.parameters()).device)
         n = len(examples)
-        logps, counts = sequence_logprobs(model, batch)  # [2B]
+        logps, counts = self._answer_logps(model, batch)  # [2B]
         ref = self._reference_logps(examples, batch, logps)  # [2B]
         per_pair, metrics = self.loss_fn(logps[:n], logps[n:], ref[:n], ref[n:],
-                                         beta=self.beta, label_smoothing=self.label_smoothing)
-        nll = -logps[:n] / counts[:n]  # mean NLL per chosen token  # [B]
-        if self.nll_coef:
-            per_pair = per_pair + self.nll_coef * nll
+                                         beta=self.dpo.beta, label_smoothing=self.dpo.label_smoothing)
+        nll = -(logps[:n] if self.mean_logps else logps[:n] / counts[:n])  # mean NLL per chosen token  # [B]
+        if self.dpo.nll_coef:
+            per_pair = per_pair + self.dpo.nll_coef * nll
         metrics["nll/chosen"] = float(nll.detach().mean())
         return per_pair, metrics, batch
 
@@ -111,11 +121,11 @@ class DpoObjective:
         return per_pair.sum() / normaliser, out
 
     @torch.no_grad()
-    def evaluate(self, session: TrainingSession, examples: list[PreferenceExample]) -> dict[str, float]:
+    def evaluate(self, policy: LoadedModel, examples: list[PreferenceExample]) -> dict[str, float]:
         """Held-out loss and preference metrics; `eval/rewards/accuracy` is the share of pairs whose
         implicit reward beta * log(pi / ref) is higher for the chosen answer (0 at step 0, where
         the policy is the reference and every pair ties)."""
-        model = session.policy.model
+        model = policy.model
         model.eval()
         totals: dict[str, float] = {}
         loss_sum = 0.0

@@ -1,5 +1,11 @@
-"""What both training loops share: the run directory, the policy and its optimizer, the step
-counter, the non-finite guard, checkpoints and resume, signals, the final export."""
+"""The training session: the optimizer step and its non-finite guard, the step counter, signals,
+progress output, and checkpoints of named state parts.
+
+Whatever else must survive a restart (the data order, a KL controller, the rollout engine's
+sampler, a critic) is registered by its owner with `register(name, part)`; a part has
+`state_dict()` / `load_state_dict()`. A checkpoint stores the model weights plus
+`{"step", "rng", "parts": {name: part.state_dict()}}`, and `resume()` loads them back in place.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +14,28 @@ import math
 import random
 import signal
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from rlft.config import Config, LoraConfig, ModelConfig
+from rlft.config import CheckpointConfig, Config, TrainingConfig, config_warnings
 from rlft.errors import ResumeError, TrainingHalted
-from rlft.models.loading import LoadedModel, export_model, load_policy
+from rlft.models.loading import LoadedModel, export_model
 from rlft.models.template import check_template
-from rlft.monitor.console import ProgressDisplay
-from rlft.train import checkpoint as ckpt
-from rlft.train.optim import build_optimizer, build_scheduler, clip_gradients
-from rlft.train.rundir import RunDir
+from rlft.monitor.console import ProgressDisplay, console
+from rlft.monitor.rundir import RunDir
+from rlft.training import checkpoint as ckpt
+from rlft.training.optim import build_optimizer, build_scheduler, clip_gradients
 
 log = logging.getLogger(__name__)
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -30,40 +43,78 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def open_run(config: Config) -> RunDir:
+    """Set up the process (threads, seeds) and the run directory for `config`. A directory that
+    already holds a checkpointed run with a different config is refused: continuing it would mix
+    two experiments. (An attempt that stopped before its first checkpoint is simply restarted.)"""
+    if config.training.num_threads:
+        torch.set_num_threads(config.training.num_threads)
+    seed_everything(config.seed)
+    run = RunDir(config.output_dir)
+    if run.config_path.exists() and ckpt.find_latest(run.checkpoints) is not None:
+        diffs = run.config_changes(config)
+        if diffs:
+            raise ResumeError(
+                f"{run.root} already holds a run with a different config ({', '.join(diffs[:5])}).\n"
+                f"Fix: continue it with `rlft train --resume {run.root}`, or choose another output_dir")
+    run.create(config)
+    for warning in config_warnings(config):
+        console.print(f"[yellow]warning: {warning}", highlight=False)
+    return run
+
+
+class NonFiniteGuard:
+    """Counts updates skipped for a non-finite loss or gradient norm (in total and in a row)."""
+
+    def __init__(self, max_in_a_row: int):
+        self.max_in_a_row = max_in_a_row
+        self.total = 0
+        self.streak = 0
+
+    def record(self, finite: bool) -> None:
+        if finite:
+            self.streak = 0
+        else:
+            self.total += 1
+            self.streak += 1
+
+    @property
+    def exhausted(self) -> bool:
+        return self.streak >= self.max_in_a_row
+
+    def state_dict(self) -> dict[str, int]:
+        return {"total": self.total, "streak": self.streak}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.total, self.streak = state["total"], state["streak"]
+
+
 class TrainingSession:
-    def __init__(self, config: Config, policy: LoadedModel | None = None,
-                 loader: Callable[[ModelConfig, LoraConfig], LoadedModel] = load_policy):
-        self.config = config
-        self.run = RunDir(config.output_dir)
-        if config.training.num_threads:
-            torch.set_num_threads(config.training.num_threads)
-        seed_everything(config.seed)
-        self._check_run_dir()
-        self.policy = policy or loader(config.model, config.lora)  # after seeding: new heads are seeded
-        self.params = self.policy.trainable_parameters()
-        self.optimizer = build_optimizer(self.params, config.training)
+    def __init__(self, run: RunDir, policy: LoadedModel, training: TrainingConfig, checkpointing: CheckpointConfig,
+                 *, progress: bool = True, log_every: int = 1, allow_template_change: bool = False):
+        self.run = run
+        self.policy = policy
+        self.training = training
+        self.checkpointing = checkpointing
+        self.progress, self.log_every = progress, log_every
+        self.allow_template_change = allow_template_change
+        self.params = policy.trainable_parameters()
+        self.optimizer = build_optimizer(self.params, training)
         self.scheduler = None
+        self.guard = NonFiniteGuard(training.max_consecutive_nonfinite)
         self.total_steps = 0
         self.step = 0
-        self.nonfinite_total = 0
-        self.nonfinite_streak = 0
         self.stop_signal: str | None = None
         self.display: ProgressDisplay | None = None
-        self.extra_state: Callable[[], dict[str, Any]] = dict  # set by the loop: its own resumable state
         self.last_metrics: dict[str, Any] = {}  # the latest logged step, for keep_best
+        self._parts: dict[str, Stateful] = {"optimizer": self.optimizer, "nonfinite": self.guard}
         self._old_handlers: dict[int, Any] = {}
 
-    # -- run directory ------------------------------------------------------------------------
-    def _check_run_dir(self) -> None:
-        # Only a checkpoint makes a run worth protecting: an attempt that stopped before its first
-        # one (bad data, template mismatch) is restarted from scratch by `resume()` anyway.
-        if self.run.config_path.exists() and ckpt.find_latest(self.run.checkpoints) is not None:
-            diffs = self.run.config_changes(self.config)
-            if diffs:
-                raise ResumeError(
-                    f"{self.run.root} already holds a run with a different config ({', '.join(diffs[:5])}).\n"
-                    f"Fix: continue it with `rlft train --resume {self.run.root}`, or choose another output_dir")
-        self.run.create(self.config)
+    def register(self, name: str, part: Stateful) -> None:
+        """Checkpoint `part` under `name` and load it back on resume."""
+        if name in self._parts:
+            raise ValueError(f"state part {name!r} is registered twice")
+        self._parts[name] = part
 
     # -- optimisation -------------------------------------------------------------------------
     def add_parameters(self, params: list[torch.nn.Parameter]) -> None:
@@ -75,51 +126,50 @@ class TrainingSession:
 
     def start(self, total_steps: int, keys: list[str], title: str, updates_per_step: int = 1) -> None:
         self.total_steps = total_steps
-        self.scheduler = build_scheduler(self.optimizer, self.config.training, total_steps * updates_per_step)
+        self.scheduler = build_scheduler(self.optimizer, self.training, total_steps * updates_per_step)
+        self._parts["scheduler"] = self.scheduler
         self._install_signal_handlers()
-        self.display = ProgressDisplay(total_steps, self.step, keys, self.config.logging.progress, title)
+        self.display = ProgressDisplay(total_steps, self.step, keys, self.progress, title)
 
     def optimizer_step(self, loss_value: float) -> tuple[bool, float]:
         """Clip and step, unless the loss or gradient norm is non-finite: then the update is skipped
         (parameters, optimizer and scheduler unchanged) and counted. The loop owns `self.step`."""
-        grad_norm = float(clip_gradients(self.params, self.config.training.max_grad_norm))
-        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+        grad_norm = float(clip_gradients(self.params, self.training.max_grad_norm))
+        finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
+        self.guard.record(finite)
+        if not finite:
             self.optimizer.zero_grad(set_to_none=True)
-            self.nonfinite_total += 1
-            self.nonfinite_streak += 1
             self.print(f"[yellow]warning: non-finite loss ({loss_value}) or grad norm ({grad_norm}); "
-                       f"step {self.step + 1} skipped ({self.nonfinite_streak} in a row)")
-            if self.nonfinite_streak >= self.config.training.max_consecutive_nonfinite:
+                       f"step {self.step + 1} skipped ({self.guard.streak} in a row)")
+            if self.guard.exhausted:
                 path = self.save_checkpoint()
                 raise TrainingHalted(
-                    f"stopped: {self.nonfinite_streak} consecutive steps had a non-finite loss or gradient norm. "
+                    f"stopped: {self.guard.streak} consecutive steps had a non-finite loss or gradient norm. "
                     f"Last good state saved to {path}.\nFix: lower training.learning_rate, keep "
                     "training.max_grad_norm on, or use fp32 (model.dtype=fp32)")
             return False, grad_norm
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.nonfinite_streak = 0
         return True, grad_norm
+
+    @property
+    def nonfinite_total(self) -> int:
+        return self.guard.total
 
     @property
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
     # -- checkpoints --------------------------------------------------------------------------
-    def trainer_state(self) -> dict[str, Any]:
-        """The session's state plus the loop's own (data position, KL controller, sampler...)."""
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "nonfinite_total": self.nonfinite_total, "nonfinite_streak": self.nonfinite_streak,
-                "config": self.config.model_dump(mode="json"), **self.extra_state()}
-
     def save_checkpoint(self) -> Path:
         """Save, keeping the last N and (with checkpoint.keep_best) the best by a logged metric."""
-        cfg = self.config.checkpoint
+        cfg = self.checkpointing
         best = ckpt.read_best(self.run.checkpoints)
         protect = {best["checkpoint"]} if best else set()
+        parts = {name: part.state_dict() for name, part in self._parts.items()}
         path = ckpt.save_checkpoint(self.run.checkpoints, self.step, self.policy.model, self.policy.is_lora,
-                                    self.policy.tokenizer, self.trainer_state(), cfg.keep_last, protect)
+                                    self.policy.tokenizer, {"parts": parts}, cfg.keep_last, protect)
         value = self.last_metrics.get(cfg.keep_best) if cfg.keep_best else None
         if value is not None and math.isfinite(value):
             better = best is None or (value > best["value"] if cfg.best_mode == "max" else value < best["value"])
@@ -129,20 +179,23 @@ class TrainingSession:
                     ckpt.prune(self.run.checkpoints, cfg.keep_last, {path.name})
         return path
 
-    def resume(self) -> dict[str, Any] | None:
-        """Load the newest intact checkpoint; returns its trainer state (None: fresh start)."""
+    def resume(self) -> bool:
+        """Load the newest intact checkpoint into the model and every registered part; False on a
+        fresh start."""
         path = ckpt.find_latest(self.run.checkpoints)
         if path is None:
             self.run.truncate_logs(0)  # logs of an attempt that never reached a checkpoint
-            return None
-        check_template(path, self.policy.tokenizer, self.config.model.allow_template_change)
+            return False
+        check_template(path, self.policy.tokenizer, self.allow_template_change)
         ckpt.load_model_weights(self.policy.model, self.policy.is_lora, path)
         state = ckpt.load_trainer_state(path)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        missing = sorted(set(self._parts) - set(state["parts"]))
+        if missing:
+            raise ResumeError(f"{path} has no saved state for {', '.join(missing)} (written by another rlft "
+                              "version or method).\nFix: start the run again in a new output_dir")
+        for name, part in self._parts.items():
+            part.load_state_dict(state["parts"][name])
         self.step = state["step"]
-        self.nonfinite_total = state["nonfinite_total"]
-        self.nonfinite_streak = state["nonfinite_streak"]
         ckpt.set_rng_state(state["rng"])
         self.run.truncate_logs(self.step)
         if self.step >= self.total_steps:
@@ -152,15 +205,15 @@ class TrainingSession:
         self.print(f"resumed from {path} (step {self.step} of {self.total_steps})")
         if self.display is not None:
             self.display.update(self.step, {})
-        return state
+        return True
 
     def eval_due(self) -> bool:
         """After every `training.eval_every` steps, and after the last step."""
-        every = self.config.training.eval_every
+        every = self.training.eval_every
         return self.step == self.total_steps or bool(every) and self.step % every == 0
 
     def checkpoint_due(self) -> bool:
-        every = self.config.checkpoint.every
+        every = self.checkpointing.every
         return bool(every) and self.step % every == 0 and self.step < self.total_steps
 
     # -- signals ------------------------------------------------------------------------------
@@ -187,20 +240,18 @@ class TrainingSession:
         if self.display is not None:
             self.display.print(*args)
         else:
-            from rlft.monitor.console import console
-
             console.print(*args)
 
     def log(self, metrics: dict[str, Any]) -> None:
         record = {"step": self.step, **metrics}
         self.last_metrics = record
-        if self.step % self.config.logging.log_every == 0 or self.step == self.total_steps:
+        if self.step % self.log_every == 0 or self.step == self.total_steps:
             self.run.log_metrics(record)
         if self.display is not None:
             self.display.update(self.step, record)
 
     def log_eval(self, metrics: dict[str, Any]) -> None:
-        """End-of-training evaluation: its own metrics line, also seen by keep_best."""
+        """An evaluation outside a logged step: its own metrics line, also seen by keep_best."""
         self.run.log_metrics({"step": self.step, **metrics})
         self.last_metrics.update(metrics)
 
@@ -222,3 +273,9 @@ class TrainingSession:
         if self.display is not None:
             self.display.close()
             self.display = None
+
+
+def session_for(config: Config, run: RunDir, policy: LoadedModel) -> TrainingSession:
+    """The session of a run, from its config's sections."""
+    return TrainingSession(run, policy, config.training, config.checkpoint, progress=config.logging.progress,
+                           log_every=config.logging.log_every, allow_template_change=config.model.allow_template_change)

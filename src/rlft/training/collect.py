@@ -1,7 +1,9 @@
 """Prompts in, scored completions out: the sampling half of an online step.
 
 With DAPO dynamic sampling (arXiv:2503.14476), groups whose rewards are all equal carry no
-gradient signal; they are dropped and more prompts are drawn, up to a limit of extra rounds.
+gradient signal; they are dropped and more prompts are drawn, up to a limit of extra rounds. The
+step's reward metrics then describe the kept groups (what is trained on);
+`dynamic_sampling/reward_mean_before_filter` is the mean over everything that was sampled.
 """
 
 from __future__ import annotations
@@ -13,40 +15,10 @@ from typing import Any
 import torch
 
 from rlft.algorithms import zero_variance_groups
+from rlft.data.order import PromptSampler
 from rlft.data.prompts import PromptExample
-from rlft.rewards.base import RewardScorer, Scores, scoring_row
-from rlft.rollout.base import Completion, Engine, SamplingParams
-
-
-class PromptSampler:
-    """Seeded epochs of shuffled prompts; its position is checkpointed for exact resume."""
-
-    def __init__(self, n: int, seed: int, shuffle: bool = True):
-        self.n, self.seed, self.shuffle = n, seed, shuffle
-        self.epoch, self.index = 0, 0
-
-    def _order(self) -> list[int]:
-        if not self.shuffle:
-            return list(range(self.n))
-        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        return torch.randperm(self.n, generator=g).tolist()
-
-    def take(self, k: int) -> list[int]:
-        out: list[int] = []
-        while len(out) < k:
-            order = self._order()
-            grab = order[self.index:self.index + (k - len(out))]
-            out += grab
-            self.index += len(grab)
-            if self.index >= self.n:
-                self.epoch, self.index = self.epoch + 1, 0
-        return out
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.index = state["epoch"], state["index"]
+from rlft.rewards.scoring import RewardScorer, Scores, score_completions
+from rlft.rollout.contract import Completion, Engine, SamplingParams
 
 
 @dataclass
@@ -62,19 +34,13 @@ class Rollout:
         return self.scores.total
 
 
-def _score(scorer: RewardScorer, examples: list[PromptExample], completions: list[Completion],
-           max_new_tokens: int) -> Scores:
-    rows = [scoring_row(e.fields, c.finish_reason, len(c.completion_ids), max_new_tokens)
-            for e, c in zip(examples, completions)]
-    return scorer.score([e.prompt_text for e in examples], [c.text for c in completions], rows)
-
-
 def collect_rollout(engine: Engine, sampler: PromptSampler, prompts: list[PromptExample], scorer: RewardScorer,
                     params: SamplingParams, prompts_per_step: int, dynamic_sampling: bool = False,
                     max_rounds: int = 3) -> Rollout:
     t_gen = t_score = 0.0
     kept: list[tuple[PromptExample, Completion, int]] = []  # (example, completion, group id)
     kept_scores: list[Scores] = []
+    sampled: list[float] = []  # every verifiable total, before the filter
     rounds, dropped, next_group = 0, 0, 0
     while True:
         rounds += 1
@@ -85,8 +51,9 @@ def collect_rollout(engine: Engine, sampler: PromptSampler, prompts: list[Prompt
         t_gen += time.perf_counter() - start
         examples = [chosen[c.prompt_index] for c in completions]
         start = time.perf_counter()
-        scores = _score(scorer, examples, completions, params.max_new_tokens)
+        scores = score_completions(scorer, examples, completions, params.max_new_tokens)
         t_score += time.perf_counter() - start
+        sampled += [t for t in scores.total if t is not None]
         groups = [next_group + c.prompt_index for c in completions]
         next_group += len(chosen)
         keep = torch.ones(len(completions), dtype=torch.bool)
@@ -101,7 +68,9 @@ def collect_rollout(engine: Engine, sampler: PromptSampler, prompts: list[Prompt
     metrics = {"time/generate": t_gen, "time/score": t_score}
     if dynamic_sampling:
         metrics.update({"dynamic_sampling/rounds": float(rounds), "dynamic_sampling/dropped_groups": float(dropped),
-                        "dynamic_sampling/kept_groups": float(len({g for *_, g in kept}))})
+                        "dynamic_sampling/kept_groups": float(len({g for *_, g in kept})),
+                        "dynamic_sampling/reward_mean_before_filter": sum(sampled) / len(sampled) if sampled
+                        else float("nan")})
     return Rollout([k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept], scores, metrics)
 
 

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from rlft.algorithms.preference import bradley_terry
-from rlft.data.preference import PreferenceExample, collate_pairs, load_preference_splits
-from rlft.models.loading import load_reward_model
-from rlft.train.session import TrainingSession
+from rlft.algorithms.preference_losses import bradley_terry
+from rlft.config import DataConfig, RewardModelConfig
+from rlft.data.pairs import PreferenceExample, collate_pairs, load_preference_splits
+from rlft.models.loading import LoadedModel, load_reward_model
 
 
 def pair_scores(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -35,16 +35,15 @@ class RewardModelObjective:
     progress_keys = ["loss", "lr", "grad_norm", "rm/accuracy", "eval/accuracy", "eval/margin"]
     load_model = staticmethod(load_reward_model)
 
-    def __init__(self) -> None:
+    def __init__(self, data: DataConfig, settings: RewardModelConfig, chunk: int):
+        """`chunk`: pairs per forward when evaluating."""
+        self.data, self.chunk = data, chunk
+        self.default_margin, self.center_coef = settings.margin, settings.center_coef
         self.pad_id = 0
 
-    def prepare(self, session: TrainingSession) -> tuple[list[PreferenceExample], list[PreferenceExample]]:
-        cfg, tok = session.config, session.policy.tokenizer
-        self.pad_id = tok.pad_token_id
-        self.default_margin, self.center_coef = cfg.reward_model.margin, cfg.reward_model.center_coef
-        self.chunk = cfg.training.micro_batch_size or cfg.training.batch_size
-        train, evals = load_preference_splits(session)
-        return train, evals
+    def prepare(self, policy: LoadedModel) -> tuple[list[PreferenceExample], list[PreferenceExample], dict]:
+        self.pad_id = policy.tokenizer.pad_token_id
+        return load_preference_splits(policy.tokenizer, self.data)
 
     def normaliser(self, examples: list[PreferenceExample]) -> float:
         return float(len(examples))
@@ -75,12 +74,12 @@ class RewardModelObjective:
         return per_pair.sum() / normaliser, {**{k: v * share for k, v in metrics.items()}, "tokens": tokens}
 
     @torch.no_grad()
-    def evaluate(self, session: TrainingSession, examples: list[PreferenceExample]) -> dict[str, float]:
+    def evaluate(self, policy: LoadedModel, examples: list[PreferenceExample]) -> dict[str, float]:
         """Held-out pairwise accuracy (share of pairs scored chosen > rejected), mean margin, loss,
         and `eval/prefers_longer`: among pairs of unequal answer length, the share where the RM
         scores the longer answer higher -- compare with the data's own `chosen_longer` to see a
-        length bias the RM picked up (seed 002 §3.2)."""
-        model = session.policy.model
+        length bias the RM picked up."""
+        model = policy.model
         model.eval()
         chosen, rejected = [], []
         for i in range(0, len(examples), self.chunk):

@@ -2,9 +2,9 @@
 
 The task is two-digit addition with a worked carry step ("7+8=15, carry 1. 4+3+1=8. The answer
 is 85."). The SFT data comes from a sloppy annotator who forgets to add the carry in
-most carry cases -- the situation seed 002 §1.1 describes: SFT imitates its data, mistakes
-included. Imitation teaches the model the format and to forget carries; GRPO with a verifiable
-reward (is the final answer right?) then teaches it to add correctly. The held-out problems never
+most carry cases: SFT imitates its data, mistakes included -- the model learns the format and
+to forget carries. GRPO with a verifiable reward (is the final answer right?) then teaches it to
+add correctly. The held-out problems never
 appear in SFT or RL data.
 
 Everything runs through the public pipeline: a tiny model written with `save_pretrained`, YAML
@@ -14,7 +14,6 @@ configs in `OUT/configs/`, `rlft.train`, and the same evaluation as `rlft eval`.
 from __future__ import annotations
 
 import json
-import random
 import shutil
 import time
 from dataclasses import dataclass
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from rlft.demo.arithmetic import make_datasets
 
 FORMAT_REGEX = r"\d\+\d=\d+, carry [01]\. \d\+\d\+[01]=\d+\. The answer is \d+\."
 
@@ -40,43 +41,6 @@ class DemoSettings:
     group_size: int = 8
     prompts_per_step: int = 16
     threads: int | None = None
-
-
-def solution(a: int, b: int, forget_carry: bool = False) -> str:
-    units = a % 10 + b % 10
-    carry = units // 10
-    added = 0 if forget_carry else carry
-    tens = a // 10 + b // 10 + added
-    return (f"{a % 10}+{b % 10}={units}, carry {carry}. {a // 10}+{b // 10}+{added}={tens}. "
-            f"The answer is {tens * 10 + units % 10}.")
-
-
-def question(a: int, b: int) -> str:
-    return f"What is {a} + {b}?"
-
-
-def make_datasets(out: Path, s: DemoSettings) -> dict[str, Path]:
-    """Disjoint SFT, RL and held-out problems; only the SFT answers are sloppy."""
-    rng = random.Random(s.seed)
-    problems = [(a, b) for a in range(10, 100) for b in range(10, 100)]
-    rng.shuffle(problems)
-    heldout = problems[: s.heldout]
-    sft = problems[s.heldout: s.heldout + s.sft_rows]
-    rl = problems[s.heldout + s.sft_rows: s.heldout + s.sft_rows + s.rl_rows]
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {name: out / f"{name}.jsonl" for name in ("sft", "rl_prompts", "heldout")}
-    with paths["sft"].open("w") as f:
-        for a, b in sft:
-            forget = (a % 10 + b % 10 >= 10) and rng.random() < s.forget_rate
-            f.write(json.dumps({"prompt": question(a, b), "completion": solution(a, b, forget),
-                                "answer": str(a + b)}) + "\n")
-    with paths["rl_prompts"].open("w") as f:
-        for a, b in rl:
-            f.write(json.dumps({"prompt": question(a, b), "answer": str(a + b)}) + "\n")
-    with paths["heldout"].open("w") as f:  # with the correct worked solution, for eval loss and reading
-        for a, b in heldout:
-            f.write(json.dumps({"prompt": question(a, b), "completion": solution(a, b), "answer": str(a + b)}) + "\n")
-    return paths
 
 
 def _rewards() -> list[dict[str, Any]]:
@@ -118,7 +82,7 @@ def run_demo(out_dir: str | Path = "demo-output", settings: DemoSettings | None 
     console.rule("[bold]rlft demo: SFT teaches the format, RL teaches being right")
     for stale in (out / "runs" / "sft", out / "runs" / "grpo"):  # a second demo starts afresh
         shutil.rmtree(stale, ignore_errors=True)                 # rather than "nothing to train"
-    data = make_datasets(out / "data", s)
+    data = make_datasets(out / "data", s.seed, s.heldout, s.sft_rows, s.rl_rows, s.forget_rate)
     model = build_tiny_model(out / "base-model", seed=s.seed)
     cfgs = configs(out, model, data, s)
     (out / "configs").mkdir(exist_ok=True)

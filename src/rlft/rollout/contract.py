@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Literal, Protocol, Sequence
+from typing import Any, Literal, Protocol, Sequence
 
 FinishReason = Literal["stop", "length"]
 
@@ -29,10 +30,23 @@ class SamplingParams:
 
 
 class Engine(Protocol):
+    """What the training loop and the evaluations use of an engine."""
+
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[Completion]:
         """n completions per prompt, grouped by prompt: [p0 c0..c(n-1), p1 c0.., ...]."""
         ...
 
     def sync_weights(self) -> None:
-        """Make the engine sample from the trainer's current weights (a no-op when shared)."""
+        """Make the engine sample from the trainer's current weights (after an optimizer step)."""
         ...
+
+    def isolated_rng(self, seed: int) -> AbstractContextManager[None]:
+        """Sample from a stream seeded with `seed` inside the block, then continue the training
+        stream where it was: evaluations are reproducible and never change a run's trajectory."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampling stream's position, for exact resume."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...

@@ -2,8 +2,10 @@
 
 Preference losses share `fn(policy_chosen_logps [B], policy_rejected_logps [B], ref_chosen_logps
 [B], ref_rejected_logps [B], *, beta=0.1, label_smoothing=0.0) -> (per-pair loss [B], metrics)`.
-The log-probs are summed over each answer's tokens by the caller. The per-pair loss is returned
-unreduced so the caller's mean over the global batch stays exact under gradient accumulation.
+The caller reduces each answer's token log-probs as `LOGP_REDUCTION[name]` says: summed for DPO
+and the hinge, averaged per token for IPO, whose target margin 1/(2 beta) is on a per-token scale
+(summed log-probs of long answers would dwarf it). The per-pair loss is returned unreduced so the
+caller's mean over the global batch stays exact under gradient accumulation.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ def hinge(policy_chosen_logps: Tensor, policy_rejected_logps: Tensor, ref_chosen
 
 
 PREFERENCE_LOSSES: dict[str, PreferenceLossFn] = {"sigmoid": sigmoid, "ipo": ipo, "hinge": hinge}
+# How each loss wants an answer's token log-probs reduced: "sum" or "mean" (per answer token).
+LOGP_REDUCTION: dict[str, str] = {"sigmoid": "sum", "ipo": "mean", "hinge": "sum"}
 
 
 def bradley_terry(chosen_scores: Tensor, rejected_scores: Tensor, *,

@@ -11,7 +11,7 @@ text plus its end-of-turn token. Assistant turns inside the prompt (earlier dial
 not targets.
 
 Pair-level checks that do not invalidate a row -- length imbalance, "chosen is longer" bias,
-duplicate and contradictory pairs (seed 002 §3.1) -- are measured once per dataset, logged as one
+duplicate and contradictory pairs -- are measured once per dataset, logged as one
 warning when they look wrong, and returned as numbers for summary.json.
 """
 
@@ -24,14 +24,15 @@ from typing import Any, Callable
 
 import torch
 
-from rlft.data.loading import Row, read_rows
-from rlft.data.sft import collate_sft, encode_sft
+from rlft.config import DataConfig
+from rlft.data.readers import Row, read_rows
+from rlft.data.sft_examples import collate_sft, encode_sft
 from rlft.data.validate import RowError, check_messages, check_rows, require_field
 from rlft.models.template import Messages, as_messages, end_of_turn_ids
 
 log = logging.getLogger(__name__)
 
-LENGTH_GAP = 0.3  # a pair is "length-imbalanced" when the answers differ by more than 30% (002 §3.1)
+LENGTH_GAP = 0.3  # a pair is "length-imbalanced" when the answers differ by more than 30% 
 # Warn when more than this share of pairs is imbalanced, or when "chosen longer" and "rejected
 # longer" shares differ by more than this.
 IMBALANCED_SHARE_WARN = 0.2
@@ -133,7 +134,7 @@ def collate_pairs(examples: list[PreferenceExample], pad_id: int) -> dict[str, t
 
 
 def pair_statistics(examples: list[PreferenceExample], source: str) -> dict[str, float]:
-    """Dataset-level checks of the pairs (002 §3.1); one warning if any looks wrong.
+    """Dataset-level checks of the pairs ; one warning if any looks wrong.
 
     - `length_imbalanced`: share of pairs whose answers differ in length by more than 30%
     - `chosen_longer` / `rejected_longer`: share of pairs whose chosen (rejected) answer is the
@@ -186,16 +187,15 @@ def read_pairs(source: str, split: str, tokenizer: Any, end_ids: list[int], max_
     return examples, pair_statistics(examples, source)
 
 
-def load_preference_splits(session: Any) -> tuple[list[PreferenceExample], list[PreferenceExample]]:
-    """A run's train and eval pairs (`data.train`, `data.eval`), validated and encoded; their pair
-    statistics go into the run's summary.json as `data/train/...` and `data/eval/...`."""
-    tok, d = session.policy.tokenizer, session.config.data
-    args = (tok, end_of_turn_ids(tok), d.max_length, d.max_prompt_length, d.on_invalid)
-    train, stats = read_pairs(d.train, d.split, *args, kind="preference")
+def load_preference_splits(tokenizer: Any, data: DataConfig,
+                           ) -> tuple[list[PreferenceExample], list[PreferenceExample], dict[str, float]]:
+    """A run's train and eval pairs (`data.train`, `data.eval`), validated and encoded, and their
+    pair statistics as `data/train/...` and `data/eval/...` (for the run's summary)."""
+    args = (tokenizer, end_of_turn_ids(tokenizer), data.max_length, data.max_prompt_length, data.on_invalid)
+    train, stats = read_pairs(data.train, data.split, *args, kind="preference")
     summary = {f"data/train/{k}": v for k, v in stats.items()}
     evals: list[PreferenceExample] = []
-    if d.eval:
-        evals, eval_stats = read_pairs(d.eval, d.eval_split or d.split, *args, kind="preference eval")
+    if data.eval:
+        evals, eval_stats = read_pairs(data.eval, data.eval_split or data.split, *args, kind="preference eval")
         summary.update({f"data/eval/{k}": v for k, v in eval_stats.items()})
-    session.run.update_summary(summary)
-    return train, evals
+    return train, evals, summary

@@ -1,9 +1,12 @@
-"""Synthetic preference pairs on worked two-digit addition, for the DPO and reward-model examples
-and tests.
+"""Worked two-digit addition: the demo's task, its datasets, and synthetic preference pairs for the
+DPO and reward-model examples and tests.
 
-The answers use the worked-carry format of `rlft demo` ("3+8=11, carry 1. 5+9+1=15. The answer
-is 151."). The rejected answer is a hard negative in the sense of seed 002 §3.1 -- the same
-format with one slip, not nonsense:
+The answers use a worked-carry format ("3+8=11, carry 1. 5+9+1=15. The answer is 151.").
+`make_datasets` writes the demo's SFT, RL and held-out splits (disjoint problems); the SFT answers
+come from a sloppy annotator who forgets to add the carry in most carry cases, so imitation
+learns the format and the mistake while a verifiable reward can teach the sum.
+
+For preference pairs the rejected answer is a hard negative -- the same format with one slip, not nonsense:
 
 - `forgot_carry`: the carry is stated but not added ("carry 1. 5+9+0=14. The answer is 141.")
 - `spurious_carry`: a carry is added that was never there ("carry 0. 2+6+1=9. ...")
@@ -35,6 +38,42 @@ def worked_answer(a: int, b: int, added: int | None = None, final: int | None = 
     return f"{a % 10}+{b % 10}={units}, carry {carry}. {a // 10}+{b // 10}+{added}={tens}. The answer is {final}."
 
 
+def question(a: int, b: int) -> str:
+    return f"What is {a} + {b}?"
+
+
+def all_problems(seed: int) -> list[tuple[int, int]]:
+    """Every two-digit addition problem, shuffled with `seed`."""
+    problems = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    random.Random(seed).shuffle(problems)
+    return problems
+
+
+def make_datasets(out: Path, seed: int = 0, heldout: int = 200, sft_rows: int = 2000, rl_rows: int = 2000,
+                  forget_rate: float = 0.7) -> dict[str, Path]:
+    """The demo's disjoint SFT, RL-prompt and held-out splits as JSONL; only the SFT answers are
+    sloppy (the carry is dropped in `forget_rate` of the carry cases)."""
+    rng = random.Random(seed)  # one stream: the shuffle, then the annotator's slips
+    problems = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    rng.shuffle(problems)
+    splits = {"heldout": problems[:heldout], "sft": problems[heldout:heldout + sft_rows],
+              "rl_prompts": problems[heldout + sft_rows:heldout + sft_rows + rl_rows]}
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {name: out / f"{name}.jsonl" for name in ("sft", "rl_prompts", "heldout")}
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in paths}
+    for a, b in splits["sft"]:
+        forget = (a % 10 + b % 10 >= 10) and rng.random() < forget_rate
+        rows["sft"].append({"prompt": question(a, b), "completion": worked_answer(a, b, added=0 if forget else None),
+                            "answer": str(a + b)})
+    rows["rl_prompts"] = [{"prompt": question(a, b), "answer": str(a + b)} for a, b in splits["rl_prompts"]]
+    # held-out rows carry the correct worked solution, for eval loss and reading
+    rows["heldout"] = [{"prompt": question(a, b), "completion": worked_answer(a, b), "answer": str(a + b)}
+                       for a, b in splits["heldout"]]
+    for name, path in paths.items():
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows[name]))
+    return paths
+
+
 def _rejected(a: int, b: int, kind: str, rng: random.Random) -> str:
     if kind == "forgot_carry":
         return worked_answer(a, b, added=0)
@@ -64,15 +103,14 @@ def preference_rows(problems: list[tuple[int, int]], seed: int = 0,
             kind = swap[kind]
         if kind not in kinds:
             continue
-        rows.append({"prompt": f"What is {a} + {b}?", "chosen": worked_answer(a, b),
+        rows.append({"prompt": question(a, b), "chosen": worked_answer(a, b),
                      "rejected": _rejected(a, b, kind, rng), "kind": kind})
     return rows
 
 
 def split_problems(seed: int = 0, heldout: int = 200) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """All two-digit problems, shuffled: (training problems, held-out problems)."""
-    problems = [(a, b) for a in range(10, 100) for b in range(10, 100)]
-    random.Random(seed).shuffle(problems)
+    problems = all_problems(seed)
     return problems[heldout:], problems[:heldout]
 
 

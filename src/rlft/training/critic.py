@@ -1,0 +1,286 @@
+"""PPO's value side: a separate critic model, or a value head on the policy's backbone.
+
+A critic turns a scored rollout into GAE advantages (keeping its pre-update values and the
+returns as regression targets), then learns from them:
+- `SeparateCritic` (`critic.kind: separate`) is its own token-classification model with its own
+  AdamW; `update()` runs its epochs over the batch after the policy update.
+- `SharedValueHead` (`critic.kind: shared`) reads the policy's last hidden state; its value loss
+  joins the policy loss through `policy_term()` (one forward, one optimizer).
+Values are aligned with the completion log-probs: the value of token t is read from the state
+that generated it (position P + t - 1), so GAE sees V(s_t) for every sampled token and 0 after
+the last one. During `critic.warmup_steps` only the critic learns (a fresh head is noise).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from rlft.algorithms import ADVANTAGE_ESTIMATORS, aggregate, clipped_value_loss, whiten
+from rlft.config import Config, CriticConfig, LoraConfig
+from rlft.models.forward import completion_logprobs, position_ids_for
+from rlft.models.loading import apply_lora, resolve_dtype
+from rlft.monitor.stats import MetricAccumulator
+from rlft.rollout.batch import RolloutBatch
+from rlft.training.optim import build_optimizer, build_scheduler, clip_gradients
+from rlft.training.rl_update import ExtraLoss, Trainer, UpdateSettings
+
+
+class Critic(Protocol):
+    def advantages(self, batch: RolloutBatch, token_rewards: Tensor, valid: Tensor) -> tuple[Tensor, dict[str, float]]:
+        """GAE advantages `[N, T]` (whitened if configured); keeps values and returns for the update."""
+
+    def trains_policy(self, step: int) -> bool:
+        """False during the warm-up steps, when only the critic learns."""
+
+    def policy_term(self) -> ExtraLoss | None:
+        """A value-loss term for the policy's optimizer (shared head), or None."""
+
+    def update(self, trainer: Trainer, batch: RolloutBatch, generator: torch.Generator,
+               policy_trained: bool) -> dict[str, float]:
+        """Learn from the batch's returns, where the policy update (if it ran) did not already."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def export(self, out: Path) -> None: ...
+
+
+class _ValueTargets:
+    """What both critics share: GAE over their values, the targets, the clipped value loss."""
+
+    def __init__(self, cfg: CriticConfig, s: UpdateSettings, gamma: float, lam: float, std_floor: float):
+        self.cfg, self.settings = cfg, s
+        self.gamma, self.lam, self.std_floor = gamma, lam, std_floor
+        self.old_values: Tensor | None = None  # [N, T]
+        self.returns: Tensor | None = None  # [N, T]
+
+    def gae_advantages(self, values: Tensor, batch: RolloutBatch, token_rewards: Tensor,
+                       valid: Tensor) -> tuple[Tensor, dict[str, float]]:
+        self.old_values = values
+        adv, metrics = ADVANTAGE_ESTIMATORS["gae"](token_rewards, batch.completion_mask, batch.group_ids, valid,
+                                                   values=values, gamma=self.gamma, lam=self.lam)
+        self.returns = adv + values * batch.completion_mask
+        if self.cfg.whiten_advantages:
+            adv = whiten(adv, batch.completion_mask & valid[:, None], std_floor=self.std_floor)
+        metrics["value/returns_mean"] = float(self.returns[batch.completion_mask].mean())
+        return adv, metrics
+
+    def value_loss(self, values: Tensor, rows: Tensor, mask: Tensor, num_tokens: float) -> tuple[Tensor, dict]:
+        """Token-mean clipped value loss of these rows over the minibatch's `num_tokens`."""
+        t = values.shape[1]
+        per_token, m = clipped_value_loss(values, self.old_values[rows, :t], self.returns[rows, :t], mask,
+                                          clip=self.cfg.value_clip)
+        loss = aggregate(per_token, mask, "token_mean", num_tokens=num_tokens)
+        m["value/loss"] = float(loss.detach()) * num_tokens / max(float(mask.sum()), 1.0)
+        return loss, m
+
+    def loss_mask(self, batch: RolloutBatch) -> Tensor:
+        mask = batch.completion_mask
+        return mask & ~batch.truncated[:, None] if self.settings.mask_truncated else mask
+
+    def minibatches(self, batch: RolloutBatch, generator: torch.Generator):
+        """(rows, micro-batch row sets, token count) per minibatch, epochs x minibatches like the policy."""
+        s, mask = self.settings, self.loss_mask(batch)
+        for _ in range(s.epochs):
+            order = torch.randperm(batch.size, generator=generator) if s.minibatches > 1 else torch.arange(batch.size)
+            for chunk in order.chunk(s.minibatches):
+                chunk = chunk.to(batch.input_ids.device)
+                chunk = chunk[mask[chunk].any(-1)]
+                if chunk.numel() == 0:
+                    continue
+                step = s.micro_batch_size or chunk.numel()
+                yield list(chunk.split(step)), float(mask[chunk].sum())
+
+
+class SeparateCritic:
+    """`AutoModelForTokenClassification` with one label, from `critic.path` (a reward model's score
+    head is reused) or the policy checkpoint (new head); its own AdamW and schedule."""
+
+    def __init__(self, config: Config, device: torch.device, pad_token_id: int, s: UpdateSettings, total_steps: int):
+        from transformers import AutoConfig, AutoModelForTokenClassification
+
+        c, m = config.critic, config.model
+        path = c.path or m.path
+        model_config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=m.trust_remote_code)
+        model_config.classifier_dropout = 0.0  # values must not be noisy
+        model = AutoModelForTokenClassification.from_pretrained(
+            path, config=model_config, dtype=resolve_dtype(m.dtype, device), trust_remote_code=m.trust_remote_code)
+        model.config.pad_token_id = pad_token_id
+        if m.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if c.lora:
+            lora = config.lora.model_copy(update={"enabled": True}) if config.lora.enabled else LoraConfig(enabled=True)
+            model = apply_lora(model, lora, task_type="TOKEN_CLS")
+        self.model = model.to(device)
+        self.targets = _ValueTargets(c, s, config.algorithm.gamma, config.algorithm.lam, config.algorithm.std_floor)
+        self.warmup_steps = c.warmup_steps
+        self.max_grad_norm = config.training.max_grad_norm
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        training = config.training.model_copy(update={"learning_rate": c.learning_rate or config.training.learning_rate})
+        self.optimizer = build_optimizer(self.params, training)
+        self.scheduler = build_scheduler(self.optimizer, training, total_steps * s.epochs * s.minibatches)
+
+    def _values(self, sub: RolloutBatch) -> Tensor:
+        t = sub.completion_len
+        out = self.model(input_ids=sub.input_ids, attention_mask=sub.attention_mask,
+                         position_ids=position_ids_for(sub.attention_mask))
+        return out.logits[:, -(t + 1):-1, 0].float()  # [n, t]
+
+    @torch.no_grad()
+    def advantages(self, batch: RolloutBatch, token_rewards: Tensor, valid: Tensor) -> tuple[Tensor, dict[str, float]]:
+        self.model.eval()
+        values = torch.zeros_like(batch.sampling_logprobs)
+        step = self.targets.settings.micro_batch_size or batch.size
+        for start in range(0, batch.size, step):
+            rows = torch.arange(start, min(start + step, batch.size), device=batch.input_ids.device)
+            sub = batch.select(rows)
+            values[rows, : sub.completion_len] = self._values(sub)
+        return self.targets.gae_advantages(values, batch, token_rewards, valid)
+
+    def trains_policy(self, step: int) -> bool:
+        return step >= self.warmup_steps
+
+    def policy_term(self) -> None:
+        return None
+
+    def update(self, trainer: Trainer, batch: RolloutBatch, generator: torch.Generator,
+               policy_trained: bool) -> dict[str, float]:
+        self.model.train()
+        stats = MetricAccumulator()
+        mask = self.targets.loss_mask(batch)
+        for micro_sets, num_tokens in self.targets.minibatches(batch, generator):
+            for rows in micro_sets:
+                sub = batch.select(rows)
+                sub_mask = mask[rows, : sub.completion_len]
+                loss, m = self.targets.value_loss(self._values(sub), rows, sub_mask, num_tokens)
+                loss.backward()
+                stats.add(m, float(sub_mask.sum()))
+            norm = float(clip_gradients(self.params, self.max_grad_norm))
+            if torch.isfinite(torch.tensor(norm)):
+                self.optimizer.step()
+                self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            stats.add({"critic/grad_norm": norm})
+        return stats.means()
+
+    def state_dict(self) -> dict[str, Any]:
+        full = not hasattr(self.model, "peft_config")  # under LoRA only the trained tensors change
+        weights = {k: v.detach().clone() for k, v in self.model.state_dict(keep_vars=True).items()
+                   if full or v.requires_grad}
+        return {"weights": weights, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["weights"], strict=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def export(self, out: Path) -> None:
+        model = self.model.merge_and_unload() if hasattr(self.model, "merge_and_unload") else self.model
+        model.save_pretrained(out)
+
+
+class SharedValueHead:
+    """A linear value head on the policy's last hidden state, trained by the policy's optimizer
+    with the value loss added to the policy loss (scaled by `critic.value_coef`)."""
+
+    needs_hidden = True
+
+    def __init__(self, config: Config, hidden_size: int, device: torch.device, s: UpdateSettings):
+        self.head = nn.Linear(hidden_size, 1, device=device)
+        nn.init.zeros_(self.head.weight)  # start from V = 0: advantages begin as plain returns
+        nn.init.zeros_(self.head.bias)
+        self.targets = _ValueTargets(config.critic, s, config.algorithm.gamma, config.algorithm.lam,
+                                     config.algorithm.std_floor)
+        self.coef, self.warmup_steps = config.critic.value_coef, config.critic.warmup_steps
+        self._policy_model: Any = None
+
+    def attach(self, policy_model: Any) -> "SharedValueHead":
+        self._policy_model = policy_model
+        return self
+
+    def _hidden(self, sub: RolloutBatch) -> Tensor:
+        _, _, hidden = completion_logprobs(self._policy_model, sub.input_ids, sub.attention_mask, sub.completion_len,
+                                           hidden=True)
+        return hidden  # [n, t, H]
+
+    def _values(self, hidden: Tensor) -> Tensor:
+        return self.head(hidden.float()).squeeze(-1)  # [n, t]
+
+    @torch.no_grad()
+    def advantages(self, batch: RolloutBatch, token_rewards: Tensor, valid: Tensor) -> tuple[Tensor, dict[str, float]]:
+        model = self._policy_model
+        was_training = model.training
+        model.eval()
+        values = torch.zeros_like(batch.sampling_logprobs)
+        step = self.targets.settings.micro_batch_size or batch.size
+        for start in range(0, batch.size, step):
+            rows = torch.arange(start, min(start + step, batch.size), device=batch.input_ids.device)
+            sub = batch.select(rows)
+            values[rows, : sub.completion_len] = self._values(self._hidden(sub))
+        model.train(was_training)
+        return self.targets.gae_advantages(values, batch, token_rewards, valid)
+
+    def trains_policy(self, step: int) -> bool:
+        return step >= self.warmup_steps
+
+    def policy_term(self) -> ExtraLoss:
+        return self
+
+    def __call__(self, sub: RolloutBatch, rows: Tensor, hidden: Tensor | None, mask: Tensor,
+                 num_tokens: float) -> tuple[Tensor, dict[str, float]]:
+        """The value loss on the policy forward's hidden states, weighted for the shared optimizer."""
+        loss, m = self.targets.value_loss(self._values(hidden), rows, mask, num_tokens)
+        return self.coef * loss, m
+
+    def update(self, trainer: Trainer, batch: RolloutBatch, generator: torch.Generator,
+               policy_trained: bool) -> dict[str, float]:
+        """Warm-up only (otherwise the head learned through policy_term): fit the head on the
+        backbone's detached hidden states, stepping the shared optimizer with the head's gradient
+        alone (parameters without a gradient are left untouched)."""
+        if policy_trained:
+            return {}
+        stats = MetricAccumulator()
+        mask = self.targets.loss_mask(batch)
+        for micro_sets, num_tokens in self.targets.minibatches(batch, generator):
+            loss_value = 0.0
+            for rows in micro_sets:
+                sub = batch.select(rows)
+                sub_mask = mask[rows, : sub.completion_len]
+                with torch.no_grad():
+                    hidden = self._hidden(sub)
+                loss, m = self.targets.value_loss(self._values(hidden), rows, sub_mask, num_tokens)
+                loss.backward()
+                loss_value += float(loss.detach())
+                stats.add(m, float(sub_mask.sum()))
+            trainer.optimizer_step(loss_value)
+        return stats.means()
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.head.parameters())
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.head.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.head.load_state_dict(state)
+
+    def export(self, out: Path) -> None:
+        from safetensors.torch import save_file
+
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.head.state_dict().items()}, str(out / "value_head.safetensors"))
+
+
+def build_critic(config: Config, session: Any, s: UpdateSettings, total_steps: int) -> Critic:
+    policy = session.policy
+    if config.critic.kind == "shared":
+        base = policy.model.get_base_model() if policy.is_lora else policy.model
+        head = SharedValueHead(config, base.config.hidden_size, policy.device, s).attach(policy.model)
+        session.add_parameters(head.parameters())
+        return head
+    return SeparateCritic(config, policy.device, policy.tokenizer.pad_token_id, s, total_steps)

@@ -1,0 +1,205 @@
+"""The online loop (GRPO, Dr. GRPO, DAPO, RLOO, REINFORCE++, and PPO with a critic):
+
+    prompts -> rollout -> rewards -> advantages -> mu epochs of policy updates -> metrics -> checkpoint
+
+Presets only choose parts (advantage estimator, clip range, KL placement, aggregation); there is
+one loop. Each step reads top to bottom in `online_step`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+from rich.markup import escape
+
+from rlft.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, make_kl_controller
+from rlft.config import Config, DataConfig
+from rlft.data.order import PromptSampler
+from rlft.data.prompts import PromptExample, make_prompt_encoder
+from rlft.data.readers import read_rows
+from rlft.data.validate import check_rows
+from rlft.errors import TrainingHalted
+from rlft.eval.generation import evaluate_prompts
+from rlft.models.loading import Reference, disable_dropout, load_policy
+from rlft.monitor.checks import engine_drift_warning, infra_error_message
+from rlft.rewards.scoring import RewardScorer
+from rlft.rollout import rollout_engine, sampling_params
+from rlft.rollout.batch import RolloutBatch
+from rlft.training.collect import Rollout, collect_rollout
+from rlft.training.critic import Critic, build_critic
+from rlft.training.rl_update import UpdateSettings, policy_update, reference_logprobs, token_rewards
+from rlft.training.session import TrainingSession, open_run, session_for
+
+PROGRESS_KEYS = ["reward/mean", "kl", "entropy", "completion/length_mean", "clip/high_frac", "eval/accuracy"]
+
+
+def load_prompts(data: DataConfig, tokenizer: Any, source: str, split: str, kind: str,
+                 required: tuple[str, ...] = ()) -> list[PromptExample]:
+    """Prompt rows, each checked (and `required` fields present: what the rewards read)."""
+    encode = make_prompt_encoder(tokenizer, data.max_prompt_length, required)
+    return check_rows(read_rows(source, split), encode, source, kind, data.on_invalid)
+
+
+def run_online(config: Config) -> dict[str, Any]:
+    a, d = config.algorithm, config.data
+    run = open_run(config)
+    policy = load_policy(config.model, config.lora)
+    disable_dropout(policy.model)  # on-policy, pi / pi_old must be exactly 1 (see rl_update)
+    session = session_for(config, run, policy)
+    scorer = RewardScorer(config.rewards, config.scoring.max_workers)
+    needs = scorer.required_fields
+    prompts = load_prompts(d, policy.tokenizer, d.train, d.split, "prompt", needs)
+    evals = load_prompts(d, policy.tokenizer, d.eval, d.eval_split or d.split, "eval prompt", needs) if d.eval else []
+    engine = rollout_engine(config.rollout, policy, config.seed)
+    reference = Reference(policy) if config.needs_reference else None
+    kl_ctl = make_kl_controller(a.kl_coef, a.kl_target, a.kl_adapt_factor)
+    sampler = PromptSampler(len(prompts), config.seed, d.shuffle)
+    update_gen = torch.Generator().manual_seed(config.seed)
+    total = config.training.max_steps or config.training.epochs * math.ceil(len(prompts) / config.rollout.prompts_per_step)
+    settings, params = UpdateSettings.from_config(config), sampling_params(config.rollout)
+    critic = build_critic(config, session, settings, total) if a.advantage == "gae" else None
+
+    for name, part in (("sampler", sampler), ("kl", kl_ctl), ("engine", engine), ("update_generator", update_gen),
+                       ("critic", critic)):
+        if part is not None:  # no rollout buffer survives a step: after a resume the next batch is new
+            session.register(name, _GeneratorState(part) if isinstance(part, torch.Generator) else part)
+    session.start(total, PROGRESS_KEYS, config.method, updates_per_step=a.epochs * a.minibatches)
+    session.resume()
+
+    last: dict[str, float] = {}
+    eval_metrics: dict[str, float] = {}
+    try:
+        while session.step < total and session.stop_signal is None:
+            start = time.perf_counter()
+            rollout = collect_rollout(engine, sampler, prompts, scorer, params, config.rollout.prompts_per_step,
+                                      a.dynamic_sampling, a.dynamic_sampling_max_rounds)
+            _check_infra(session, rollout, config.scoring.max_infra_error_rate)
+            metrics = online_step(session, rollout, reference, kl_ctl, settings, update_gen, critic)
+            if metrics is None:  # every update was skipped (non-finite): draw a new batch
+                continue
+            engine.sync_weights()
+            session.step += 1
+            metrics["time/step"] = time.perf_counter() - start
+            metrics["tokens_per_s"] = metrics["completion/tokens"] / metrics["time/step"]
+            if evals and session.eval_due():
+                eval_metrics = evaluate_prompts(engine, evals, config.eval, scorer, seed=config.seed).metrics
+                metrics.update(eval_metrics)
+            _log_samples(session, rollout, config.logging.num_samples, config.logging.sample_every)
+            session.log(metrics)
+            last = metrics
+            if session.checkpoint_due():
+                session.save_checkpoint()
+    finally:
+        session.close_display()
+    train_summary = {f"train/{k}": v for k, v in last.items() if k in ("reward/mean", "kl", "entropy")}
+    summary = session.finish({**train_summary, **eval_metrics})
+    if critic is not None and summary["status"] == "completed":
+        critic.export(session.run.final / "critic")
+    return summary
+
+
+def online_step(session: TrainingSession, rollout: Rollout, reference: Reference | None, kl_ctl: Any,
+                s: UpdateSettings, generator: torch.Generator, critic: Critic | None = None,
+                ) -> dict[str, float] | None:
+    """Advantages and policy updates for one scored rollout; returns the step's metrics."""
+    metrics = _rollout_metrics(session, rollout, kl_ctl.value)
+    if not rollout.completions:
+        return {**metrics, "update/skipped_no_signal": 1.0}
+    start = time.perf_counter()
+    device = session.policy.device
+    batch = RolloutBatch.from_completions(rollout.completions, rollout.group_ids, session.policy.tokenizer.pad_token_id,
+                                          device)
+    valid = torch.tensor([r is not None for r in rollout.rewards], device=device)
+
+    # KL to the reference on the sampled tokens: a loss term, or a penalty in the token rewards
+    ref_lp = kl_tok = None
+    if reference is not None:
+        ref_lp = reference_logprobs(reference, batch, s.temperature, s.micro_batch_size)
+        kl_tok = KL_ESTIMATORS[s.kl_estimator](batch.sampling_logprobs, ref_lp)  # [N, T]
+        metrics["kl"] = float((kl_tok * batch.completion_mask).sum() / batch.completion_mask.sum().clamp(min=1))
+    beta = kl_ctl.value
+    penalty = beta * kl_tok if (s.kl_in_reward and kl_tok is not None and beta > 0) else None
+    rewards_tok = token_rewards(rollout.rewards, batch, penalty)  # [N, T]
+
+    # advantages: the preset's estimator, or GAE over the critic's values (PPO)
+    if critic is None:
+        advantages, adv_metrics = ADVANTAGE_ESTIMATORS[s.advantage](
+            rewards_tok, batch.completion_mask, batch.group_ids, valid, std_floor=s.std_floor, gamma=s.gamma,
+            lam=s.lam)
+    else:
+        advantages, adv_metrics = critic.advantages(batch, rewards_tok, valid)
+    metrics.update(adv_metrics)
+
+    # mu epochs x minibatches of clipped policy-gradient steps (the critic learns alongside)
+    train_policy = critic is None or critic.trains_policy(session.step)
+    update: dict[str, float] = {"update/optimizer_steps": 0.0}
+    if train_policy:
+        extra = critic.policy_term() if critic is not None else None
+        update = policy_update(session, batch, advantages, ref_lp, beta, s, generator, extra)
+        if update["update/optimizer_steps"] == 0 and "update/skipped_no_signal" not in update:
+            return None
+    if critic is not None:
+        update.update(critic.update(session, batch, generator, policy_trained=train_policy))
+    metrics.update(update)
+    metrics["nonfinite_skipped"] = float(session.nonfinite_total)
+    if "kl" in metrics:
+        kl_ctl.update(metrics["kl"])
+    metrics["time/train"] = time.perf_counter() - start
+    warning = engine_drift_warning(metrics)
+    if warning:
+        session.print(f"[yellow]warning: {warning}")
+    return metrics
+
+
+def _rollout_metrics(session: TrainingSession, rollout: Rollout, beta: float) -> dict[str, float]:
+    metrics: dict[str, float] = {**rollout.scores.metrics(), **rollout.metrics}
+    metrics["reward/infra_error_rate"] = metrics.pop("reward/unverifiable_frac")
+    lengths = [len(c.completion_ids) for c in rollout.completions]
+    n = max(len(lengths), 1)
+    metrics.update({"completion/length_mean": sum(lengths) / n, "completion/length_max": float(max(lengths, default=0)),
+                    "completion/truncation_rate": sum(c.finish_reason == "length" for c in rollout.completions) / n,
+                    "completion/tokens": float(sum(lengths)), "lr": session.lr, "beta": beta})
+    return metrics
+
+
+def _check_infra(session: TrainingSession, rollout: Rollout, limit: float) -> None:
+    total = rollout.rewards
+    rate = sum(r is None for r in total) / max(len(total), 1)
+    if rate > limit:
+        path = session.save_checkpoint() if session.step > 0 else None
+        raise TrainingHalted(infra_error_message(session.step + 1, rate, limit, path))
+
+
+def _log_samples(session: TrainingSession, rollout: Rollout, num_samples: int, every: int) -> None:
+    if not num_samples or session.step % every:
+        return
+    records = []
+    for i in range(min(num_samples, len(rollout.completions))):
+        c, e = rollout.completions[i], rollout.examples[i]
+        records.append({"step": session.step, "where": e.where, "prompt": e.prompt_text, "completion": c.text,
+                        "reward": rollout.rewards[i], "finish_reason": c.finish_reason,
+                        "components": {k: v[i] for k, v in rollout.scores.components.items()}})
+    session.run.log_samples(records)
+    if records:
+        r = records[0]
+        reward = "unverifiable" if r["reward"] is None else f"{r['reward']:.3g}"
+        # model text is escaped: a completion holding "[/]" must not be read as console markup
+        session.print(f"[dim]step {session.step} sample (reward {reward}): {escape(repr(r['prompt'][:60]))} -> "
+                      f"{escape(repr(r['completion'][:100]))}")
+
+
+class _GeneratorState:
+    """A torch.Generator as a checkpointed state part."""
+
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"state": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["state"])
+

@@ -1,0 +1,217 @@
+"""The learning half of an online step: token rewards, reference log-probs, and mu epochs of
+clipped policy-gradient updates over minibatches (each one optimizer step, micro-batched).
+
+Old log-probs (pi_old of the importance ratio) are the trainer's own, never the engine's: with one
+epoch and one minibatch they are the detached log-probs of the very forward that trains (ratio
+exactly 1), otherwise a no-grad pass computes them before the first update. The engine's sampling
+log-probs are compared with them on the first pass (`rollout/logprob_diff_*`,
+`rollout/ratio_mean`): the mismatch between two implementations of one policy is measured, not
+mixed into the clipping, and `rollout_correction: tis` corrects for it with truncated importance
+weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from rlft.algorithms import KL_ESTIMATORS, POLICY_LOSSES, aggregate
+from rlft.algorithms.policy_loss import truncated_importance_weights
+from rlft.config import Config
+from rlft.models.forward import completion_logprobs
+from rlft.models.loading import Reference
+from rlft.monitor.stats import MetricAccumulator
+from rlft.rollout.batch import RolloutBatch
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """Flat algorithm settings, taken from the config once at the loop's boundary."""
+
+    temperature: float
+    advantage: str
+    std_floor: float
+    gamma: float
+    lam: float
+    kl_in_reward: bool
+    clip_low: float
+    clip_high: float
+    dual_clip: float | None
+    kl_estimator: str
+    kl_in_loss: bool
+    entropy_coef: float
+    loss_agg: str
+    loss_constant: float | None
+    epochs: int
+    minibatches: int
+    micro_batch_size: int | None
+    mask_truncated: bool
+    rollout_correction: str = "none"
+    tis_cap: float = 2.0
+
+    @classmethod
+    def from_config(cls, config: Config) -> "UpdateSettings":
+        a = config.algorithm
+        return cls(temperature=config.rollout.temperature, advantage=a.advantage, std_floor=a.std_floor,
+                   gamma=a.gamma, lam=a.lam, kl_in_reward=a.kl_in == "reward", clip_low=a.clip_low, clip_high=a.clip_high,
+                   dual_clip=a.dual_clip, kl_estimator=a.kl_estimator, kl_in_loss=a.kl_in == "loss",
+                   entropy_coef=a.entropy_coef, loss_agg=a.loss_agg, loss_constant=a.loss_constant,
+                   epochs=a.epochs, minibatches=a.minibatches, micro_batch_size=a.micro_batch_size,
+                   mask_truncated=a.mask_truncated, rollout_correction=a.rollout_correction, tis_cap=a.tis_cap)
+
+    @property
+    def single_pass(self) -> bool:
+        """One optimizer step per rollout batch: pi_old is the training forward itself."""
+        return self.epochs == 1 and self.minibatches == 1
+
+
+class Trainer(Protocol):
+    """What an update needs of the training session."""
+
+    policy: Any
+
+    def optimizer_step(self, loss_value: float) -> tuple[bool, float]: ...
+
+
+class ExtraLoss(Protocol):
+    """A loss term computed from the policy's own forward and trained by its optimizer (PPO's
+    shared value head). `rows` index the full batch; `hidden` is `[n, T, H]` when needs_hidden."""
+
+    needs_hidden: bool
+
+    def __call__(self, sub: RolloutBatch, rows: Tensor, hidden: Tensor | None, mask: Tensor,
+                 num_tokens: float) -> tuple[Tensor, dict[str, float]]: ...
+
+
+def token_rewards(rewards: list[float | None], batch: RolloutBatch, kl_penalty: Tensor | None) -> Tensor:
+    """`[N, T]`: each sequence reward on its last valid token, minus a per-token KL penalty when
+    the KL sits in the reward (Ouyang et al., arXiv:2203.02155). Unverifiable samples get 0 (their
+    advantage is 0)."""
+    out = torch.zeros(batch.completion_mask.shape, dtype=torch.float32, device=batch.input_ids.device)
+    last = batch.completion_mask.sum(-1) - 1  # [N]
+    values = torch.tensor([r if r is not None else 0.0 for r in rewards], device=out.device)
+    out[torch.arange(batch.size, device=out.device), last.clamp(min=0)] = values
+    if kl_penalty is not None:
+        out = out - kl_penalty.where(batch.completion_mask, 0.0)
+    return out
+
+
+@torch.no_grad()
+def batch_logprobs(model: Any, batch: RolloutBatch, temperature: float, micro: int | None) -> Tensor:
+    """Log-probs of every completion token under `model`, in micro-batches, no gradient  # [N, T]"""
+    out = torch.zeros_like(batch.sampling_logprobs)
+    step = micro or batch.size
+    for start in range(0, batch.size, step):
+        rows = torch.arange(start, min(start + step, batch.size), device=batch.input_ids.device)
+        sub = batch.select(rows)
+        lp, _ = completion_logprobs(model, sub.input_ids, sub.attention_mask, sub.completion_len, temperature)
+        out[rows, : sub.completion_len] = lp
+    return out
+
+
+def reference_logprobs(reference: Reference, batch: RolloutBatch, temperature: float, micro: int | None) -> Tensor:
+    with reference.model() as ref_model:
+        return batch_logprobs(ref_model, batch, temperature, micro)
+
+
+def engine_mismatch(trainer_lp: Tensor, engine_lp: Tensor, mask: Tensor) -> dict[str, float]:
+    """How far the engine's sampling log-probs are from the trainer's on the same tokens, before
+    any update: |diff| mean / max, and the mean engine-to-trainer importance ratio (1 when both
+    compute the same policy; a mean above ~1.3 means off-policy training)."""
+    mask = mask.bool()
+    n = mask.sum().clamp(min=1)
+    diff = torch.where(mask, trainer_lp.detach() - engine_lp, 0.0)
+    return {"rollout/logprob_diff_mean": float(diff.abs().sum() / n),
+            "rollout/logprob_diff_max": float(diff.abs().max()) if bool(mask.any()) else 0.0,
+            "rollout/ratio_mean": float(torch.where(mask, diff.clamp(max=20).exp(), 0.0).sum() / n)}
+
+
+def policy_update(trainer: Trainer, batch: RolloutBatch, advantages: Tensor, ref_logprobs: Tensor | None,
+                  beta: float, s: UpdateSettings, generator: torch.Generator,
+                  extra: ExtraLoss | None = None) -> dict[str, float]:
+    """mu epochs x minibatches optimizer steps; returns metrics averaged over them."""
+    model = trainer.policy.model
+    model.train()
+    loss_mask = batch.completion_mask & ~batch.truncated[:, None] if s.mask_truncated else batch.completion_mask
+    use_kl = s.kl_in_loss and beta > 0 and ref_logprobs is not None
+    # Rows whose advantage is 0 everywhere contribute exactly nothing unless a KL, entropy or extra
+    # term acts on them: leave them out of the forward pass (the normalisers stay global).
+    carries_signal = (advantages != 0).any(-1) | use_kl | (s.entropy_coef > 0) | (extra is not None)
+    carries_signal &= loss_mask.any(-1)
+    stats = MetricAccumulator()
+    old_logprobs = None
+    if not s.single_pass and bool(carries_signal.any()):
+        old_logprobs = batch_logprobs(model, batch, s.temperature, s.micro_batch_size)
+        stats.add(engine_mismatch(old_logprobs, batch.sampling_logprobs, loss_mask))
+    applied_steps = 0
+    for _ in range(s.epochs):
+        order = torch.randperm(batch.size, generator=generator) if s.minibatches > 1 else torch.arange(batch.size)
+        for chunk in order.chunk(s.minibatches):
+            chunk = chunk.to(batch.input_ids.device)
+            norms = {"num_tokens": float(loss_mask[chunk].sum()), "num_sequences": float(loss_mask[chunk].any(-1).sum())}
+            rows = chunk[carries_signal[chunk]]
+            if rows.numel() == 0:
+                stats.add({"update/skipped_no_signal": 1.0})
+                continue
+            loss_value = 0.0
+            for micro_rows in _micro_batches(batch, rows, s.micro_batch_size):
+                sub = batch.select(micro_rows)
+                mask = loss_mask[micro_rows, : sub.completion_len]
+                old = None if old_logprobs is None else old_logprobs[micro_rows, : sub.completion_len]
+                ref = ref_logprobs[micro_rows, : sub.completion_len] if use_kl else None
+                loss, m = _micro_loss(model, sub, micro_rows, mask, advantages, old, ref, beta, s, norms, extra)
+                loss.backward()
+                loss_value += float(loss.detach())
+                stats.add(m, float(mask.sum()))
+            applied, grad_norm = trainer.optimizer_step(loss_value)
+            if applied:
+                applied_steps += 1
+                stats.add({"loss": loss_value, "grad_norm": grad_norm})
+    out = stats.means()
+    out["update/optimizer_steps"] = float(applied_steps)
+    return out
+
+
+def _micro_loss(model: Any, sub: RolloutBatch, rows: Tensor, mask: Tensor, advantages: Tensor, old: Tensor | None,
+                ref: Tensor | None, beta: float, s: UpdateSettings, norms: dict[str, float],
+                extra: ExtraLoss | None) -> tuple[Tensor, dict[str, float]]:
+    """The loss of one micro-batch, already divided by the minibatch's global normalisers."""
+    t = sub.completion_len
+    want_hidden = extra is not None and extra.needs_hidden
+    out = completion_logprobs(model, sub.input_ids, sub.attention_mask, t, s.temperature,
+                              entropy="grad" if s.entropy_coef > 0 else "metric", hidden=want_hidden)
+    logprobs, entropy = out[0], out[1]  # [n, t]
+    metrics: dict[str, float] = {}
+    if old is None:  # single pass: this forward is pi_old, and the first look at the engine's numbers
+        old = logprobs.detach()
+        metrics.update(engine_mismatch(old, sub.sampling_logprobs, mask))
+    per_token, m = POLICY_LOSSES["clipped"](logprobs, old, advantages[rows, :t], mask,
+                                            clip_low=s.clip_low, clip_high=s.clip_high, dual_clip=s.dual_clip)
+    metrics.update(m)
+    if s.rollout_correction == "tis":
+        weights, tm = truncated_importance_weights(old, sub.sampling_logprobs, mask, s.tis_cap)
+        per_token = per_token * weights
+        metrics.update(tm)
+    if ref is not None:
+        per_token = per_token + beta * KL_ESTIMATORS[s.kl_estimator](logprobs, ref)
+    if s.entropy_coef > 0:
+        per_token = per_token - s.entropy_coef * entropy
+    loss = aggregate(per_token, mask, s.loss_agg, constant=s.loss_constant, **norms)
+    metrics["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
+    if extra is not None:
+        extra_loss, em = extra(sub, rows, out[2] if want_hidden else None, mask, norms["num_tokens"])
+        loss = loss + extra_loss
+        metrics.update(em)
+    return loss, metrics
+
+
+def _micro_batches(batch: RolloutBatch, rows: Tensor, size: int | None) -> list[Tensor]:
+    """Rows sorted by length, so each micro-batch carries little padding."""
+    if size is None or rows.numel() <= size:
+        return [rows]
+    lengths = batch.attention_mask[rows].sum(-1)
+    rows = rows[lengths.argsort(stable=True)]
+    return list(rows.split(size))
