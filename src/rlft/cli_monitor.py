@@ -14,7 +14,8 @@ import typer
 
 def report(
     runs: List[Path] = typer.Argument(..., help="Run directories (output_dir of training runs); several are overlaid."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="HTML file to write (default: FIRST_RUN/report.html)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o",
+                                       help="HTML file to write (default: FIRST_RUN/report.html)."),
     steps: Optional[List[int]] = typer.Option(None, "--step", help="Show sample completions of this step (repeatable; "
                                               "default: first, middle and last)."),
 ) -> None:

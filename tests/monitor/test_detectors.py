@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from rlft.monitor.detectors import DETECTORS, series
+import random
+
+from rlft.monitor.detectors import DETECTORS, History, series
 from rlft.monitor.settings import DETECTOR_NAMES, MonitorConfig
 from rlft.monitor.text_stats import batch_repetition_rate
 
@@ -199,3 +201,32 @@ def test_infra_errors():
     alert = DETECTORS["infra_errors"](hist(**{"reward/infra_error_rate": [0.0, 0.06]}), **args)
     assert alert is not None and alert.step == 2 and "0.06" in alert.message
     assert DETECTORS["infra_errors"](hist(**{"reward/infra_error_rate": [0.0, 0.04]}), **args) is None
+
+
+def test_history_gives_every_detector_the_same_answer_as_the_list_of_records():
+    """The oracle for the incremental History the Monitor uses: on random histories (with gaps,
+    NaNs and eval-only records), each detector returns the same alert, step by step, as when it
+    rescans the plain list of records."""
+    rng = random.Random(0)
+    cfg = MonitorConfig()
+    keys = sorted(cfg.watched_keys() - {"step"})
+    fired = set()
+    for trial in range(20):
+        records, history = [], History()
+        for step in range(1, 41):
+            record = {"step": step}
+            for key in keys:
+                if rng.random() < 0.8:
+                    record[key] = rng.choice([float("nan"), rng.uniform(0, 2)]) if rng.random() < 0.05 \
+                        else rng.uniform(0, 1.5) * (1 + step / 20)
+            if step % 5:  # an eval every 5 steps
+                record.pop("eval/accuracy", None)
+            records.append(record)
+            history.append(record)
+            for name in DETECTORS:
+                args = cfg.thresholds(name)
+                from_list, from_history = DETECTORS[name](records, **args), DETECTORS[name](history, **args)
+                assert from_list == from_history, (trial, step, name)
+                if from_list is not None:
+                    fired.add(name)
+    assert fired == set(DETECTORS)  # every detector was exercised both ways

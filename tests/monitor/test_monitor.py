@@ -119,7 +119,7 @@ def test_state_dict_round_trip_continues_like_an_uninterrupted_monitor(tmp_path)
 def test_state_keeps_only_watched_keys():
     monitor = Monitor(MonitorConfig(enabled=["kl"]))
     monitor.observe({"step": 1, "kl": 0.1, "lr": 1e-5, "loss": 2.0, "note": "text"})
-    assert monitor.state_dict()["history"] == [{"step": 1, "kl": 0.1}]
+    assert monitor.state_dict()["history"] == {"last_step": 1, "series": {"kl": [[1, 0.1]]}}
 
 
 def test_monitor_config_validation():

@@ -15,6 +15,7 @@ steps when `logging.log_every` is 1.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
@@ -51,14 +52,55 @@ def detector(name: str) -> Callable[[Callable[..., Alert | None]], Callable[...,
 # Reading the history
 
 
-def series(history: list[Record], key: str) -> Points:
-    """(step, value) of every record holding a finite number under `key`."""
-    out: Points = []
-    for i, record in enumerate(history):
-        value = record.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            out.append((int(record.get("step", i)), float(value)))
-    return out
+class History:
+    """Records appended one at a time, each key's (step, value) series kept as it grows, so that a
+    detector reads a series in O(1) however long the run (rescanning a list of records every step
+    made monitoring quadratic: ~0.17 s per step after 4,000 steps)."""
+
+    def __init__(self, records: list[Record] = ()):
+        self._series: dict[str, Points] = {}
+        self.last_step = 0
+        for record in records:
+            self.append(record)
+
+    def append(self, record: Record) -> None:
+        step = int(record.get("step", self.last_step))
+        self.last_step = step
+        for key, value in record.items():
+            if key != "step" and _is_number(value):
+                self._series.setdefault(key, []).append((step, float(value)))
+
+    def series(self, key: str) -> Points:
+        return self._series.get(key, [])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_step": self.last_step, "series": {k: [list(p) for p in v] for k, v in self._series.items()}}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "History":
+        history = cls()
+        history.last_step = state["last_step"]
+        history._series = {k: [(int(s), float(v)) for s, v in points] for k, points in state["series"].items()}
+        return history
+
+
+AnyHistory = list[Record] | History  # detectors accept either; tests pass plain lists
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def series(history: AnyHistory, key: str) -> Points:
+    """(step, value) of every record holding a finite number under `key`. Do not modify the result."""
+    if isinstance(history, History):
+        return history.series(key)
+    return [(int(r.get("step", i)), float(r[key])) for i, r in enumerate(history) if _is_number(r.get(key))]
+
+
+def _between(points: Points, lo: float, hi: float) -> Points:
+    """Points with lo < step <= hi (steps never decrease)."""
+    return points[bisect_right(points, (lo, math.inf)):bisect_right(points, (hi, math.inf))]
 
 
 def _mean(points: Points) -> float:
@@ -74,7 +116,9 @@ def _start(points: Points, baseline: int) -> float | None:
     return _mean(points[:baseline]) if len(points) >= baseline else None
 
 
-def _last_step(history: list[Record]) -> int:
+def _last_step(history: AnyHistory) -> int:
+    if isinstance(history, History):
+        return history.last_step
     return int(history[-1].get("step", len(history) - 1)) if history else 0
 
 
@@ -82,7 +126,7 @@ def _g(x: float) -> str:
     return f"{x:.4g}"
 
 
-def _level_alert(name: str, history: list[Record], metric: str, smooth: int, limit: float,
+def _level_alert(name: str, history: AnyHistory, metric: str, smooth: int, limit: float,
                  what: str) -> Alert | None:
     """Fires when the current (smoothed) value of `metric` is above `limit`."""
     now = _current(series(history, metric), smooth)
@@ -101,28 +145,26 @@ def _over(smooth: int) -> str:
 
 
 @detector("reward_hacking")
-def reward_hacking(history: list[Record], *, reward_metric: str, eval_metric: str, eval_mode: Literal["max", "min"],
+def reward_hacking(history: AnyHistory, *, reward_metric: str, eval_metric: str, eval_mode: Literal["max", "min"],
                    window: int, min_reward_rise: float, max_eval_gain: float) -> Alert | None:
     """Train reward rising while the held-out metric is flat or falling over the last `window` evals.
 
     The train reward at an eval is the mean over the records since the previous eval (up to and
     including this one), so one lucky batch does not count as a rise.
     """
-    evals = [i for i, r in enumerate(history) if series([r], eval_metric)]
+    evals = series(history, eval_metric)
     if len(evals) < max(window, 2):
         return None
-    first, last = evals[-window], evals[-1]
-    before = evals[-window - 1] if len(evals) > window else -1
-    reward_first = series(history[before + 1:first + 1], reward_metric)
-    reward_last = series(history[evals[-2] + 1:last + 1], reward_metric)
+    rewards = series(history, reward_metric)
+    (s0, e0), (s1, e1) = evals[-window], evals[-1]
+    before = evals[-window - 1][0] if len(evals) > window else -math.inf
+    reward_first, reward_last = _between(rewards, before, s0), _between(rewards, evals[-2][0], s1)
     if not reward_first or not reward_last:
         return None
     r0, r1 = _mean(reward_first), _mean(reward_last)
-    e0, e1 = float(history[first][eval_metric]), float(history[last][eval_metric])
     gain = (e1 - e0) if eval_mode == "max" else (e0 - e1)  # held-out improvement, in the metric's units
     if not (r1 - r0 > min_reward_rise and gain <= max_eval_gain):
         return None
-    s0, s1 = int(history[first].get("step", first)), int(history[last].get("step", last))
     return Alert("reward_hacking", _last_step(history),
                  f"train {reward_metric} rose {_g(r0)} -> {_g(r1)} (+{_g(r1 - r0)}) between steps {s0} and {s1} "
                  f"while held-out {eval_metric} went {_g(e0)} -> {_g(e1)} over the last {window} evals: the "
@@ -131,7 +173,7 @@ def reward_hacking(history: list[Record], *, reward_metric: str, eval_metric: st
 
 
 @detector("length_drift")
-def length_drift(history: list[Record], *, metric: str, baseline: int, smooth: int, max_drift: float,
+def length_drift(history: AnyHistory, *, metric: str, baseline: int, smooth: int, max_drift: float,
                  growth_window: int, max_growth: float) -> Alert | None:
     """Mean completion length more than `max_drift` (relative) away from its start, or grown by
     more than `max_growth` (relative) over the last `growth_window` records."""
@@ -157,7 +199,7 @@ def length_drift(history: list[Record], *, metric: str, baseline: int, smooth: i
 
 
 @detector("repetition")
-def repetition(history: list[Record], *, metric: str, baseline: int, smooth: int, max_rate: float,
+def repetition(history: AnyHistory, *, metric: str, baseline: int, smooth: int, max_rate: float,
                max_rise: float) -> Alert | None:
     """The batch's n-gram repetition rate above `max_rate`, or risen by more than `max_rise` over its start."""
     points = series(history, metric)
@@ -173,7 +215,7 @@ def repetition(history: list[Record], *, metric: str, baseline: int, smooth: int
 
 
 @detector("kl")
-def kl(history: list[Record], *, metric: str, smooth: int, max_kl: float, growth_window: int, max_growth: float,
+def kl(history: AnyHistory, *, metric: str, smooth: int, max_kl: float, growth_window: int, max_growth: float,
        min_kl: float) -> Alert | None:
     """KL to the reference above `max_kl`, or its mean over the last `growth_window` records more
     than `max_growth` times the mean over the window before (once it is above `min_kl`)."""
@@ -194,7 +236,7 @@ def kl(history: list[Record], *, metric: str, smooth: int, max_kl: float, growth
 
 
 @detector("entropy_collapse")
-def entropy_collapse(history: list[Record], *, metric: str, baseline: int, smooth: int, min_entropy: float,
+def entropy_collapse(history: AnyHistory, *, metric: str, baseline: int, smooth: int, min_entropy: float,
                      max_drop: float) -> Alert | None:
     """Token entropy below `min_entropy`, or fallen by more than the fraction `max_drop` from its start."""
     points = series(history, metric)
@@ -211,7 +253,7 @@ def entropy_collapse(history: list[Record], *, metric: str, baseline: int, smoot
 
 
 @detector("ratio_drift")
-def ratio_drift(history: list[Record], *, metrics: list[str], max_metric: str, smooth: int, max_mean: float,
+def ratio_drift(history: AnyHistory, *, metrics: list[str], max_metric: str, smooth: int, max_mean: float,
                 max_max: float) -> Alert | None:
     """Mean importance ratio (the first of `metrics` that is logged) above `max_mean`, or the
     largest token ratio above `max_max`: the sampler's policy is not the one being trained."""
@@ -231,11 +273,11 @@ def ratio_drift(history: list[Record], *, metrics: list[str], max_metric: str, s
 
 
 @detector("clip_fraction")
-def clip_fraction(history: list[Record], *, high_metric: str, low_metric: str, smooth: int,
+def clip_fraction(history: AnyHistory, *, high_metric: str, low_metric: str, smooth: int,
                   max_frac: float) -> Alert | None:
     """Share of tokens whose ratio was clipped (high + low) above `max_frac`: updates are too large."""
-    high, low = series(history, high_metric), series(history, low_metric)
-    by_step = {s: v for s, v in low}
+    high, low = series(history, high_metric)[-smooth:], series(history, low_metric)[-2 * smooth:]
+    by_step = dict(low)  # the low fraction of the same steps (a step without one counts 0)
     points = [(s, v + by_step.get(s, 0.0)) for s, v in high]
     now = _current(points, smooth)
     if now is None or not now > max_frac:
@@ -247,7 +289,7 @@ def clip_fraction(history: list[Record], *, high_metric: str, low_metric: str, s
 
 
 @detector("zero_variance")
-def zero_variance(history: list[Record], *, metric: str, smooth: int, max_frac: float) -> Alert | None:
+def zero_variance(history: AnyHistory, *, metric: str, smooth: int, max_frac: float) -> Alert | None:
     """Many groups whose completions all scored alike (no advantage, no learning signal)."""
     return _level_alert("zero_variance", history, metric, smooth, max_frac,
                         "many prompt groups give no learning signal (all completions scored alike): the data is "
@@ -255,7 +297,7 @@ def zero_variance(history: list[Record], *, metric: str, smooth: int, max_frac: 
 
 
 @detector("truncation")
-def truncation(history: list[Record], *, metric: str, baseline: int, smooth: int, max_rate: float,
+def truncation(history: AnyHistory, *, metric: str, baseline: int, smooth: int, max_rate: float,
                max_rise: float) -> Alert | None:
     """Share of completions cut at max_new_tokens above `max_rate`, or risen by more than `max_rise`."""
     points = series(history, metric)
@@ -271,7 +313,7 @@ def truncation(history: list[Record], *, metric: str, baseline: int, smooth: int
 
 
 @detector("infra_errors")
-def infra_errors(history: list[Record], *, metric: str, smooth: int, max_rate: float) -> Alert | None:
+def infra_errors(history: AnyHistory, *, metric: str, smooth: int, max_rate: float) -> Alert | None:
     """Share of rewards that could not be computed (None) above `max_rate`."""
     return _level_alert("infra_errors", history, metric, smooth, max_rate,
                         "rewards could not be computed (sandbox, reward service or data problem), which biases "

@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rlft.monitor.detectors import DETECTORS, Alert
+from rlft.monitor.detectors import DETECTORS, Alert, History
 from rlft.monitor.settings import EarlyStopSettings, MonitorConfig
 from rlft.monitor.text_stats import batch_repetition_rate
 
@@ -62,7 +62,7 @@ class Monitor:
     def __init__(self, settings: MonitorConfig | None = None, run_dir: str | Path | None = None):
         self.settings = settings or MonitorConfig()
         self.events_path = Path(run_dir) / EVENTS_FILE if run_dir is not None else None
-        self.history: list[dict[str, float]] = []
+        self.history = History()
         self.active: set[str] = set()
         self._keys = self.settings.watched_keys()
         self._stopper = EarlyStopper(self.settings.early_stop)
@@ -75,7 +75,7 @@ class Monitor:
     def observe(self, record: dict[str, Any]) -> list[Alert]:
         """Run the enabled detectors on the history including `record`; return the alerts that
         started firing at this record (already written to events.jsonl)."""
-        self.history.append({k: v for k, v in record.items() if k in self._keys and _number(v) is not None})
+        self.history.append({k: v for k, v in record.items() if k in self._keys})
         fired = []
         for name in self.settings.enabled:
             alert = DETECTORS[name](self.history, **self.settings.thresholds(name))
@@ -103,16 +103,16 @@ class Monitor:
 
     # -- resume -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"history": [dict(r) for r in self.history], "active": sorted(self.active),
+        return {"history": self.history.state_dict(), "active": sorted(self.active),
                 "early_stop": self._stopper.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the state saved with a checkpoint; events written after it (by the attempt that
         is being resumed) are dropped, as the loop drops those metrics lines."""
-        self.history = [dict(r) for r in state["history"]]
+        self.history = History.from_state(state["history"])
         self.active = set(state["active"])
         self._stopper.load_state_dict(state["early_stop"])
-        step = self.history[-1].get("step", 0) if self.history else 0
+        step = self.history.last_step
         if self.events_path is not None and self.events_path.exists():
             lines = [ln for ln in self.events_path.read_text().splitlines()
                      if ln.strip() and json.loads(ln).get("step", 0) <= step]

@@ -180,7 +180,8 @@ def _plot_sections(runs: list[RunData]) -> list[str]:
 
 
 AXIS = {"gridcolor": "#eaeaea", "zeroline": False, "linecolor": "#999", "showline": True, "automargin": True}
-PLOT_CONFIG = {"displaylogo": False, "responsive": True, "modeBarButtonsToRemove": ["select2d", "lasso2d", "autoScale2d"]}
+PLOT_CONFIG = {"displaylogo": False, "responsive": True,
+               "modeBarButtonsToRemove": ["select2d", "lasso2d", "autoScale2d"]}
 
 
 def _plot(runs: list[RunData], key: str, div_id: str) -> str:

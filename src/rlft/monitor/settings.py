@@ -128,7 +128,8 @@ class MonitorConfig(Section):
     early_stop: EarlyStopSettings = Field(default_factory=EarlyStopSettings)
     final: Literal["last", "best"] = Field(
         "last", description="Export the last weights, or the best checkpoint by best_metric, as final/.")
-    best_metric: str | None = Field(None, description="Metric choosing the best checkpoint (default: early_stop.metric).")
+    best_metric: str | None = Field(
+        None, description="Metric choosing the best checkpoint (default: early_stop.metric).")
 
     @model_validator(mode="after")
     def _best_needs_metric(self) -> "MonitorConfig":
