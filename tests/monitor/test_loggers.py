@@ -140,3 +140,11 @@ def test_missing_packages_are_one_error_naming_the_extras(tmp_path, monkeypatch)
 def test_unknown_backend(tmp_path):
     with pytest.raises(RlftError, match="unknown backend.*'tensorbord'"):
         build_loggers(["tensorbord"], tmp_path, "r", LoggerSettings())
+
+
+def test_importing_the_monitor_loads_no_optional_package():
+    code = ("import sys, rlft.monitor.settings, rlft.monitor.monitor, rlft.monitor.loggers, rlft.monitor.report, "
+            "rlft.monitor.ledger, rlft.cli_monitor; "
+            "print(sorted(m for m in ('wandb', 'mlflow', 'tensorboard', 'plotly', 'selenium') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"

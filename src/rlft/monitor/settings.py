@@ -1,8 +1,9 @@
 """Settings of the health monitor (the `monitor:` config section) and of the logging backends.
 
 Each detector has its own sub-section whose fields are exactly the keyword arguments of its
-function in `rlft.monitor.detectors`, so the defaults live here once. Fields named `metric`,
-`*_metric` or `metrics` name the metrics.jsonl keys a detector reads.
+function in `rlft.monitor.detectors`, so the defaults live here once, each with the reason for its
+value in its description (shown by `rlft config-help`). Fields named `metric`, `*_metric` or
+`metrics` name the metrics.jsonl keys a detector reads.
 """
 
 from __future__ import annotations
@@ -19,90 +20,110 @@ DETECTOR_NAMES: tuple[str, ...] = DetectorName.__args__  # type: ignore[attr-def
 
 
 class RewardHackingSettings(Section):
-    reward_metric: str = "reward/mean"
-    eval_metric: str = "eval/accuracy"
-    eval_mode: Literal["max", "min"] = "max"  # eval_metric is better when larger (accuracy) or smaller (loss)
-    window: int = Field(3, ge=2)  # evals: fewer cannot tell a trend from held-out noise
-    min_reward_rise: float = 0.1  # a tenth of a 0-1 reward is a real gain, beyond step-to-step noise
-    max_eval_gain: float = 0.01  # held-out "flat": at most one point of accuracy gained over the window
+    reward_metric: str = Field("reward/mean", description="Train reward key.")
+    eval_metric: str = Field("eval/accuracy", description="Held-out metric key (logged at eval steps).")
+    eval_mode: Literal["max", "min"] = Field(
+        "max", description="eval_metric is better when larger (max: accuracy) or smaller (min: loss).")
+    window: int = Field(3, ge=2, description="Evals compared; fewer cannot tell a trend from held-out noise.")
+    min_reward_rise: float = Field(
+        0.1, description="Train reward rise that counts: a tenth of a 0-1 reward is beyond step-to-step noise.")
+    max_eval_gain: float = Field(
+        0.01, description="Held-out gain still called flat: one point of accuracy over the window.")
+
+
+METRIC = "metrics.jsonl key this detector reads."
+BASELINE = "Records averaged for the starting value (the SFT policy at step 0/1)."
+SMOOTH = "The current value is the mean of the last N records with the metric."
 
 
 class LengthDriftSettings(Section):
-    metric: str = "completion/length_mean"
-    baseline: int = Field(1, ge=1)  # records averaged for the start: the SFT policy's length at step 0/1
-    smooth: int = Field(3, ge=1)  # per-batch lengths are noisy; judge a 3-step mean
-    max_drift: float = Field(0.15, gt=0)  # > 15% away from the starting length is a hacking warning sign
-    growth_window: int = Field(5, ge=1)  # steps over which "fast growth" is measured
-    max_growth: float = Field(0.1, gt=0)  # +10% in 5 steps would pass the 15% budget within a few more
+    metric: str = Field("completion/length_mean", description=METRIC)
+    baseline: int = Field(1, ge=1, description=BASELINE)
+    smooth: int = Field(3, ge=1, description=SMOOTH + " Per-batch lengths are noisy.")
+    max_drift: float = Field(
+        0.15, gt=0, description="Relative change from the starting length; beyond 15% is a reward-hacking sign.")
+    growth_window: int = Field(5, ge=1, description="Records over which fast growth is measured.")
+    max_growth: float = Field(
+        0.1, gt=0, description="Relative growth within growth_window: +10% in 5 steps passes 15% in a few more.")
 
 
 class RepetitionSettings(Section):
-    metric: str = "completion/repetition_rate"
-    baseline: int = Field(1, ge=1)
-    smooth: int = Field(3, ge=1)
-    max_rate: float = Field(0.3, ge=0)  # natural answers repeat almost no word 3-gram; 30% is a loop
-    max_rise: float = Field(0.1, ge=0)  # ten points more repetition than the SFT policy had
+    metric: str = Field("completion/repetition_rate", description=METRIC)
+    baseline: int = Field(1, ge=1, description=BASELINE)
+    smooth: int = Field(3, ge=1, description=SMOOTH)
+    max_rate: float = Field(
+        0.3, ge=0, description="Repetition rate that fires: natural answers repeat almost no word 3-gram.")
+    max_rise: float = Field(
+        0.1, ge=0, description="Rise over the start that fires: ten points above the SFT policy.")
 
 
 class KlSettings(Section):
-    metric: str = "kl"
-    smooth: int = Field(3, ge=1)
-    max_kl: float = Field(0.5, gt=0)  # nats/token; GRPO at beta=0.04 usually stays below 0.1
-    growth_window: int = Field(5, ge=1)
-    max_growth: float = Field(3.0, gt=1)  # tripling between consecutive 5-step windows is a blow-up, not drift
-    min_kl: float = Field(0.05, ge=0)  # below this, growth from ~0 early in training is normal
+    metric: str = Field("kl", description=METRIC)
+    smooth: int = Field(3, ge=1, description=SMOOTH)
+    max_kl: float = Field(
+        0.5, gt=0, description="Ceiling on per-token KL to the reference (nats); GRPO at beta=0.04 stays near 0.1.")
+    growth_window: int = Field(5, ge=1, description="Records in each of the two windows compared for growth.")
+    max_growth: float = Field(
+        3.0, gt=1, description="Ratio of consecutive window means that fires: tripling is a blow-up, not drift.")
+    min_kl: float = Field(0.05, ge=0, description="Growth is ignored below this: KL rising from ~0 early is normal.")
 
 
 class EntropyCollapseSettings(Section):
-    metric: str = "entropy"
-    baseline: int = Field(1, ge=1)
-    smooth: int = Field(3, ge=1)
-    min_entropy: float = Field(0.05, ge=0)  # nats/token: near-greedy sampling, groups stop differing
-    max_drop: float = Field(0.75, gt=0, le=1)  # three quarters of the starting entropy gone
+    metric: str = Field("entropy", description=METRIC)
+    baseline: int = Field(1, ge=1, description=BASELINE)
+    smooth: int = Field(3, ge=1, description=SMOOTH)
+    min_entropy: float = Field(
+        0.05, ge=0, description="Token entropy floor (nats): below it sampling is near-greedy, groups stop differing.")
+    max_drop: float = Field(0.75, gt=0, le=1, description="Fraction of the starting entropy lost that fires.")
 
 
 class RatioDriftSettings(Section):
-    metrics: list[str] = Field(default_factory=lambda: ["ratio/mean", "rollout/ratio_mean"])
-    max_metric: str = "ratio/max"
-    smooth: int = Field(1, ge=1)  # a single off-policy step is already worth a look
-    max_mean: float = Field(1.3, gt=1)  # mean ratio above ~1.3 means training is off-policy
-    max_max: float = Field(10.0, gt=1)  # a token 10x likelier under the trained weights than when sampled
+    metrics: list[str] = Field(default_factory=lambda: ["ratio/mean", "rollout/ratio_mean"],
+                               description="Mean importance ratio keys; the first one logged is used.")
+    max_metric: str = Field("ratio/max", description="Largest token importance ratio of the step.")
+    smooth: int = Field(1, ge=1, description=SMOOTH + " One off-policy step is already worth a look.")
+    max_mean: float = Field(1.3, gt=1, description="Mean ratio above ~1.3 means training is off-policy.")
+    max_max: float = Field(
+        10.0, gt=1, description="Largest ratio that fires: a token 10x likelier under the trained weights.")
 
 
 class ClipFractionSettings(Section):
-    high_metric: str = "clip/high_frac"
-    low_metric: str = "clip/low_frac"
-    smooth: int = Field(3, ge=1)
-    max_frac: float = Field(0.3, gt=0, le=1)  # PPO practice: 0.1-0.2 is healthy; above 0.3 steps are too big
+    high_metric: str = Field("clip/high_frac", description="Share of tokens clipped above 1 + clip_high.")
+    low_metric: str = Field("clip/low_frac", description="Share of tokens clipped below 1 - clip_low.")
+    smooth: int = Field(3, ge=1, description=SMOOTH)
+    max_frac: float = Field(
+        0.3, gt=0, le=1, description="Clipped share that fires: 0.1-0.2 is healthy PPO; above 0.3 steps are too big.")
 
 
 class ZeroVarianceSettings(Section):
-    metric: str = "adv/zero_std_group_frac"
-    smooth: int = Field(5, ge=1)  # "for several steps": a few flat batches are normal
-    max_frac: float = Field(0.5, ge=0, le=1)  # half the groups give no gradient
+    metric: str = Field("adv/zero_std_group_frac", description=METRIC)
+    smooth: int = Field(5, ge=1, description=SMOOTH + " Several steps: a few flat batches are normal.")
+    max_frac: float = Field(0.5, ge=0, le=1, description="Share of groups with no gradient that fires: half.")
 
 
 class TruncationSettings(Section):
-    metric: str = "completion/truncation_rate"
-    baseline: int = Field(1, ge=1)
-    smooth: int = Field(3, ge=1)
-    max_rate: float = Field(0.2, ge=0, le=1)  # one completion in five cut at max_new_tokens
-    max_rise: float = Field(0.1, ge=0)  # ten points more truncation than at the start
+    metric: str = Field("completion/truncation_rate", description=METRIC)
+    baseline: int = Field(1, ge=1, description=BASELINE)
+    smooth: int = Field(3, ge=1, description=SMOOTH)
+    max_rate: float = Field(0.2, ge=0, le=1, description="Truncated share that fires: one completion in five.")
+    max_rise: float = Field(0.1, ge=0, description="Rise over the start that fires: ten points more truncation.")
 
 
 class InfraErrorsSettings(Section):
-    metric: str = "reward/infra_error_rate"
-    smooth: int = Field(1, ge=1)
-    max_rate: float = Field(0.05, ge=0, le=1)  # well before scoring.max_infra_error_rate stops the run
+    metric: str = Field("reward/infra_error_rate", description=METRIC)
+    smooth: int = Field(1, ge=1, description=SMOOTH)
+    max_rate: float = Field(
+        0.05, ge=0, le=1, description="Unverifiable share that fires, well before scoring.max_infra_error_rate stops.")
 
 
 class EarlyStopSettings(Section):
-    metric: str | None = None  # held-out metric for plateau stopping, e.g. eval/accuracy (None: off)
-    mode: Literal["max", "min"] = "max"
-    patience: int = Field(3, ge=1)  # evals without improvement before stopping
-    min_delta: float = Field(0.0, ge=0)  # an improvement must exceed this to reset the patience
-    kl_stop: float | None = Field(None, gt=0)  # stop when the logged KL exceeds this (None: off)
-    kl_metric: str = "kl"
+    metric: str | None = Field(
+        None, description="Held-out metric for plateau stopping, e.g. eval/accuracy (None: off).")
+    mode: Literal["max", "min"] = Field("max", description="The metric is better larger (max) or smaller (min).")
+    patience: int = Field(3, ge=1, description="Evals without improvement before stopping.")
+    min_delta: float = Field(0.0, ge=0, description="An improvement must exceed this to reset the patience.")
+    kl_stop: float | None = Field(None, gt=0, description="Stop when the logged KL exceeds this (None: off).")
+    kl_metric: str = Field("kl", description="KL key for kl_stop.")
 
 
 class MonitorConfig(Section):
