@@ -1,7 +1,7 @@
 """Health detectors: small pure functions over the metrics history.
 
-Each detector reads the list of per-step records that `metrics.jsonl` holds (oldest first) and its
-thresholds as keyword arguments, and returns an `Alert` (with the numbers that triggered it) or
+Each detector reads the per-step records that `metrics.jsonl` holds (oldest first; a plain list, or
+the incremental `History` the Monitor keeps) and its thresholds as keyword arguments, and returns an `Alert` (with the numbers that triggered it) or
 None. They keep no state: firing once per episode and the configured action are the `Monitor`'s
 job. A record without a detector's metric (an eval-only line, an offline method) is skipped, so a
 detector only ever looks at the steps that logged its metric.
