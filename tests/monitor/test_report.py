@@ -1,0 +1,111 @@
+"""The HTML report from synthetic run directories: what it plots, marks, escapes and compares."""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+
+import pytest
+
+from monitor.conftest import NASTY
+from rlft.errors import RlftError
+from rlft.monitor.report import choose_sample_steps, config_differences, group_metrics, write_report
+from rlft.monitor.runlog import load_runs
+
+LENGTH_EVENT = {"step": 12, "detector": "length_drift", "action": "warn",
+                "message": "completion/length_mean 52 is 30% longer than at the start (40)",
+                "values": {"completion/length_mean": 52.0, "start": 40.0}}
+
+
+def _plots(page: str) -> dict[str, str]:
+    """metric -> the HTML of its plot."""
+    parts = re.split(r"<div class='plot' data-metric='([^']*)'>", page)
+    return {html.unescape(parts[i]): parts[i + 1] for i in range(1, len(parts), 2)}
+
+
+def test_one_online_run_plots_every_series_marks_events_and_escapes_text(make_online_run, tmp_path):
+    run = make_online_run(events=[LENGTH_EVENT])
+    out = write_report([run], tmp_path / "out" / "r.html")
+    page = out.read_text()
+    metrics = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    keys = {k for r in metrics for k in r if k != "step"}
+    plots = _plots(page)
+    assert set(plots) == keys  # every numeric series, each once
+    # offline-openable: plotly inlined, nothing loaded from elsewhere
+    assert "<script src" not in page and "<link" not in page and len(page) > 1_000_000
+    # the event is drawn on the curve of the metric that fired it, and only there
+    assert "length_drift" in plots["completion/length_mean"]
+    assert not any("length_drift" in p for k, p in plots.items() if k != "completion/length_mean")
+    assert "completion/length_mean 52 is 30% longer" in page  # events table
+    # sections in order, reward components with the total
+    order = [page.index(f"<h2>{t}</h2>") for t in ("Reward", "Held-out", "KL and entropy", "Completions")]
+    assert order == sorted(order)
+    assert {"reward/mean", "reward/math", "reward/format"} <= set(plots)
+    # header: status, method, model, steps, wall time from 30 steps of 2 s
+    assert "completed" in page and "grpo" in page and "/models/tiny-sft" in page and "1m 00s" in page
+    # the completion with markup is shown as text, never as markup
+    assert NASTY not in page and "<script>window.__pwned" not in page
+    assert html.escape(NASTY) in page
+    assert "unverifiable (None)" in page  # the sample with reward None
+
+
+def test_samples_first_middle_last_or_chosen(make_online_run, tmp_path):
+    assert choose_sample_steps([30, 10, 20, 40, 50]) == [10, 30, 50]
+    assert choose_sample_steps([5, 10]) == [5, 10]
+    assert choose_sample_steps([10, 20, 30], [20, 25]) == [20]
+    run = make_online_run()
+    page = write_report([run], tmp_path / "r.html", sample_steps=[20]).read_text()
+    assert "<h3>step 20</h3>" in page and "<h3>step 10</h3>" not in page
+
+
+def test_several_runs_overlay_and_list_the_config_fields_that_differ(make_online_run, tmp_path):
+    a = make_online_run("a")
+    b = make_online_run("b", training__learning_rate=3e-5, rollout__temperature=0.7,
+                        events=[{"step": 25, "detector": "kl", "action": "stop", "message": "kl 0.6 > 0.5",
+                                 "values": {"kl": 0.6}}])
+    diffs = config_differences(load_runs([a, b]))
+    assert diffs == {"rollout.temperature": [1.0, 0.7], "training.learning_rate": [1e-5, 3e-5]}  # not output_dir
+    page = write_report([a, b], tmp_path / "r.html").read_text()
+    assert "Config fields that differ" in page and "rollout.temperature" in page
+    reward_plot = _plots(page)["reward/mean"]
+    assert reward_plot.count('"mode":"lines+markers"') == 2  # one trace per run
+    assert '"name":"a"' in reward_plot and '"name":"b"' in reward_plot
+    assert "#1f77b4" in reward_plot and "#d62728" in reward_plot  # one colour each
+    assert "kl (b)" in _plots(page)["kl"]  # events name their run when several are shown
+
+
+def test_offline_run_gets_its_own_plots(sft_run_dir, tmp_path):
+    page = write_report([sft_run_dir], tmp_path / "r.html").read_text()
+    plots = _plots(page)
+    assert set(plots) == {"loss", "lr", "grad_norm", "epoch", "step_time", "eval/loss", "eval/accuracy"}
+    assert "<h2>Training</h2>" in page and "<h2>Held-out</h2>" in page and "Sample completions" not in page
+    assert "0m 10s (sum of step times)" in page  # 20 steps x 0.5 s
+    assert "No detector fired" in page
+
+
+def test_group_metrics_puts_each_key_in_one_section():
+    groups = dict(group_metrics(["reward/mean", "reward/infra_error_rate", "eval/accuracy", "kl", "loss",
+                                 "rewards/accuracy", "time/step", "mystery"]))
+    assert groups == {"Reward": ["reward/mean"], "Held-out": ["eval/accuracy"], "KL and entropy": ["kl"],
+                      "Training": ["loss"], "Preference and reward-model scores": ["rewards/accuracy"],
+                      "Throughput": ["time/step"], "Health": ["reward/infra_error_rate"], "Other": ["mystery"]}
+
+
+def test_not_a_run_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(RlftError, match="run directory not found"):
+        write_report([tmp_path / "nope"], tmp_path / "r.html")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RlftError, match="not a run directory"):
+        write_report([tmp_path / "empty"], tmp_path / "r.html")
+
+
+def test_a_partial_last_metrics_line_is_tolerated_but_damage_is_reported(make_online_run, tmp_path):
+    run = make_online_run()
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 31, "reward/me')  # killed mid-write
+    assert write_report([run], tmp_path / "r.html").exists()
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join([lines[0], "garbage"] + lines[1:]) + "\n")
+    with pytest.raises(RlftError, match=r"metrics.jsonl:2: not valid JSON"):
+        write_report([run], tmp_path / "r.html")
