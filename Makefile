@@ -12,6 +12,8 @@ BENCH_BIN := $(BENCH_VENV)/bin
 BENCH_STAMP := $(BENCH_VENV)/.bench-installed
 BENCH_DEPS ?= trl==1.16.0 transformers==5.24.0 peft==0.21.2 accelerate==1.15.0 datasets==5.2.0
 BENCH_ARGS ?=
+# The report's browser test drives Debian's Chromium (never a downloaded browser).
+BROWSER_STAMP := $(VENV)/.browser-installed
 
 .PHONY: install test test-slow demo bench clean
 
@@ -24,7 +26,12 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-test: $(STAMP)
+$(BROWSER_STAMP): | $(STAMP)
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null)
+	touch $(BROWSER_STAMP)
+
+test: $(STAMP) $(BROWSER_STAMP)
 	$(BIN)/python -m pytest -q
 
 test-slow: $(STAMP)

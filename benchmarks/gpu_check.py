@@ -50,7 +50,7 @@ def main() -> None:
 
     results: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "size": size}
     work = Path("/tmp/rlft-gpu")
-    model = build_tiny_model(work / "model", size=size, seed=0)
+    model = build_tiny_model(work / "model", size=size, seed=0, overwrite=True)
     data = REPO / "examples" / "data"
     fmt = r"\d\+\d=\d+, carry [01]\. \d\+\d\+[01]=\d+\. The answer is \d+\."
     common = {"seed": 0, "logging": {"progress": False}, "model": {"path": str(model), "dtype": "bf16", "device": "cuda"}}

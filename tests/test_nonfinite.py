@@ -50,24 +50,25 @@ def poison(policy, calls_to_poison: set[int]):
 
 def test_skipped_update_leaves_parameters_optimizer_and_scheduler_unchanged(root):
     cfg = config(root, "unit")
-    session = session_for(cfg, open_run(cfg), load_policy(cfg.model, cfg.lora))
-    session.start(10, [], "test")
-    params = session.params
-    for p in params:
-        p.grad = torch.ones_like(p)
-    assert session.optimizer_step(1.0)[0]  # one good step so the optimizer has state
-    before = [p.detach().clone() for p in params]
-    opt_before = {k: v.clone() for k, v in session.optimizer.state[params[0]].items()}
-    sched_before = session.scheduler.state_dict()
-    for p in params:
-        p.grad = torch.full_like(p, float("nan"))
-    applied, grad_norm = session.optimizer_step(1.0)
-    assert not applied and not torch.isfinite(torch.tensor(grad_norm))
-    assert all(torch.equal(a, b) for a, b in zip(before, params))
-    assert all(torch.equal(opt_before[k], session.optimizer.state[params[0]][k]) for k in opt_before)
-    assert session.scheduler.state_dict() == sched_before
-    assert session.nonfinite_total == 1 and all(p.grad is None for p in params)
-    session.close_display()
+    with open_run(cfg) as run:
+        session = session_for(cfg, run, load_policy(cfg.model, cfg.lora))
+        session.start(10, [], "test")
+        params = session.params
+        for p in params:
+            p.grad = torch.ones_like(p)
+        assert session.optimizer_step(1.0)[0]  # one good step so the optimizer has state
+        before = [p.detach().clone() for p in params]
+        opt_before = {k: v.clone() for k, v in session.optimizer.state[params[0]].items()}
+        sched_before = session.scheduler.state_dict()
+        for p in params:
+            p.grad = torch.full_like(p, float("nan"))
+        applied, grad_norm = session.optimizer_step(1.0)
+        assert not applied and not torch.isfinite(torch.tensor(grad_norm))
+        assert all(torch.equal(a, b) for a, b in zip(before, params))
+        assert all(torch.equal(opt_before[k], session.optimizer.state[params[0]][k]) for k in opt_before)
+        assert session.scheduler.state_dict() == sched_before
+        assert session.nonfinite_total == 1 and all(p.grad is None for p in params)
+        session.close_display()
 
 
 def test_isolated_bad_steps_are_skipped_counted_and_training_goes_on(root, capsys):

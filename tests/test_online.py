@@ -225,7 +225,7 @@ def test_mask_truncated_removes_cut_completions_from_the_loss(setup):
         assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_eval_command_writes_pass_at_k_into_the_run_summary(setup):
+def test_eval_command_writes_pass_at_k_next_to_the_run(setup):
     import subprocess
     import sys
     from pathlib import Path
@@ -239,8 +239,8 @@ def test_eval_command_writes_pass_at_k_into_the_run_summary(setup):
                           "--max-new-tokens", "8", "--out", str(setup / "eval.jsonl")],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    summary = json.loads((run / "summary.json").read_text())
-    assert 0.0 <= summary["eval/pass@1"] <= summary["eval/pass@4"] <= 1.0
+    saved = json.loads((run / "evals" / "prompts.json").read_text())["metrics"]
+    assert 0.0 <= saved["eval/pass@1"] <= saved["eval/pass@4"] <= 1.0
     assert len((setup / "eval.jsonl").read_text().splitlines()) == 16 * 4
 
 
@@ -257,7 +257,7 @@ def test_sample_lines_show_model_text_verbatim(reward, shown):
     out = io.StringIO()
     console = Console(file=out, width=400)
     logged = []
-    session = SimpleNamespace(step=10, run=SimpleNamespace(log_samples=logged.extend), print=console.print)
+    session = SimpleNamespace(step=10, log_samples=logged.extend, print=console.print)
     rollout = SimpleNamespace(
         completions=[SimpleNamespace(text="see [/] and [bold]x[/bold]", finish_reason="stop")],
         examples=[SimpleNamespace(where="train.jsonl:3", prompt_text="What is [1+1]?")],
@@ -365,7 +365,9 @@ def test_drift_is_read_before_any_update_and_warns_only_on_engine_mismatch(setup
     assert row["rollout/logprob_diff_mean"] == pytest.approx(0.5, abs=1e-3)
     assert row["rollout/tis_weight_mean"] == pytest.approx(1.5) and row["rollout/tis_capped_frac"] == 1.0
     err = " ".join(capsys.readouterr().err.split())  # the console wraps long lines
-    assert "1.65x the rollout engine's" in err and "off-policy" in err
+    assert "ratio_drift at step 1: rollout/ratio_mean 1.649 is above 1.3: training is off-policy" in err
+    events = [json.loads(line) for line in (setup / "runs" / "drift-engine" / "events.jsonl").read_text().splitlines()]
+    assert [e["detector"] for e in events if e["detector"] == "ratio_drift"] == ["ratio_drift"]
 
 
 def test_no_reference_model_is_built_when_no_kl_term_uses_it(setup, monkeypatch):

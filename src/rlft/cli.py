@@ -63,7 +63,8 @@ def pipeline(file: Path = typer.Argument(..., help="Pipeline YAML: output_dir an
 
 @app.command(help="Evaluate a model folder or run directory on held-out prompts: accuracy, reward, pass@k.")
 def eval(
-    target: Path = typer.Argument(..., help="Model folder, or a run directory (its final/ is used)."),
+    target: Path = typer.Argument(..., help="Model folder, or a run directory: its final/ with the run's own rewards "
+                                            "and eval settings; results are saved to RUN/evals/<data>.json."),
     data: str = typer.Option(..., "--data", help="Held-out prompts (.jsonl/.parquet/hf:NAME) with reward fields."),
     config: Optional[Path] = typer.Option(None, "--config", help="Take rewards and eval settings from this config."),
     reward: Optional[List[str]] = typer.Option(None, "--reward", help="Reward fn (built-in or module:fn); repeatable."),
@@ -74,18 +75,27 @@ def eval(
     out: Optional[Path] = typer.Option(None, "--out", help="Write per-completion records (JSONL) here."),
 ) -> None:
     from rlft.config import EvalConfig, RewardSpec, load_config
-    from rlft.eval.run import evaluate_model, summary_rows, write_records
+    from rlft.eval.run import evaluate_model, resolve_model, run_settings, save_run_eval, summary_rows, write_records
 
-    cfg, rewards = EvalConfig(), [RewardSpec(fn=r) for r in reward or []]
+    _, run_dir = resolve_model(target)
+    cfg, rewards, seed, max_prompt = EvalConfig(), [RewardSpec(fn=r) for r in reward or []], 0, 4096
     if config is not None:
         loaded = load_config(config)
-        cfg, rewards = loaded.eval, rewards or loaded.rewards
+        cfg, rewards, seed = loaded.eval, rewards or loaded.rewards, loaded.seed
+    elif run_dir is not None:  # the run's own evaluation settings, so the numbers compare with its own
+        run_rewards, cfg, seed, max_prompt = run_settings(run_dir)
+        rewards = rewards or run_rewards
     updates = {k: v for k, v in dict(num_samples=samples, temperature=temperature,
                                       max_new_tokens=max_new_tokens).items() if v is not None}
     cfg = cfg.model_copy(update=updates)
-    result = evaluate_model(target, data, rewards, cfg, split=split)
+    result = evaluate_model(target, data, rewards, cfg, split=split, seed=seed, max_prompt_length=max_prompt)
     if out is not None:
         write_records(result, out)
+    if run_dir is not None:
+        settings = {"eval": cfg.model_dump(mode="json"), "rewards": [r.model_dump(mode="json") for r in rewards],
+                    "seed": seed, "split": split}
+        saved = save_run_eval(run_dir, data, result, settings)
+        console.print(f"results saved to {saved} (the run's summary.json is left as training wrote it)")
     from rich.table import Table
 
     table = Table(title=f"eval of {target} on {data}", show_header=False)
@@ -100,6 +110,7 @@ def tiny_model(
     arch: str = typer.Option("qwen2", help="qwen2 or llama."),
     size: str = typer.Option("tiny", help="tiny (~1M params) or small (~30M)."),
     seed: int = typer.Option(0, help="Weight and tokenizer seed."),
+    force: bool = typer.Option(False, "--force", help="Replace what OUT_DIR holds (a model or a run) with new weights."),
 ) -> None:
     from rlft.models.tiny import build_tiny_model
 
@@ -107,7 +118,7 @@ def tiny_model(
         raise RlftError(f"--arch must be qwen2 or llama, got {arch!r}")
     if size not in ("tiny", "small"):
         raise RlftError(f"--size must be tiny or small, got {size!r}")
-    path = build_tiny_model(out_dir, arch=arch, size=size, seed=seed)
+    path = build_tiny_model(out_dir, arch=arch, size=size, seed=seed, overwrite=force)
     console.print(f"wrote a {size} {arch} model to {path}")
 
 
@@ -150,9 +161,11 @@ def quiet_libraries() -> None:
     hf_logging.set_verbosity_error()
 
 
+from rlft.cli_monitor import register as register_monitor_commands  # noqa: E402  (light: imports on use)
 from rlft.cli_sandbox import app as sandbox_app  # noqa: E402  (light: imports only the sandbox)
 
 app.add_typer(sandbox_app, name="sandbox", help="Run a program against tests in the code-reward sandbox.")
+register_monitor_commands(app)
 
 
 def main() -> None:

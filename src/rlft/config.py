@@ -13,17 +13,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from rlft.errors import ConfigError
+from rlft.monitor.settings import LoggerSettings, MonitorConfig
+from rlft.section import Section
 
 OFFLINE_METHODS = ("sft", "dpo", "reward_model")
 ONLINE_METHODS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "ppo")
 Method = Literal["sft", "dpo", "reward_model", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "ppo"]
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
 
 class ModelConfig(Section):
@@ -185,6 +183,11 @@ class RewardSpec(Section):
     weight: float = Field(1.0, description="Weight in the weighted sum of components.")
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for a built-in reward's factory.")
 
+    @property
+    def component(self) -> str:
+        """The component's name in logs: `name`, else the function's name."""
+        return self.name or self.fn.rpartition(":")[2]
+
 
 class ScoringConfig(Section):
     max_workers: int = Field(8, ge=1, description="Reward calls run concurrently (threads; sandboxes are processes).")
@@ -192,7 +195,7 @@ class ScoringConfig(Section):
         0.5, ge=0, le=1, description="Stop when a step's share of unverifiable (None) rewards exceeds this.")
 
 
-class LoggingConfig(Section):
+class LoggingConfig(LoggerSettings):
     log_every: int = Field(1, ge=1, description="Write metrics every N steps.")
     sample_every: int = Field(10, ge=1, description="Save sample completions every N steps (online).")
     num_samples: int = Field(4, ge=0, description="Completions saved per sampling step.")
@@ -205,6 +208,15 @@ class CheckpointConfig(Section):
     keep_best: str | None = Field(
         None, description="Also keep the checkpoint with the best value of this metric (e.g. 'eval/accuracy').")
     best_mode: Literal["max", "min"] = Field("max", description="Whether a larger or smaller keep_best metric is better.")
+    final: Literal["last", "best"] = Field(
+        "last", description="Export the last weights as final/, or the best checkpoint by keep_best.")
+
+    @model_validator(mode="after")
+    def _best_needs_a_metric(self) -> "CheckpointConfig":
+        if self.final == "best" and not self.keep_best:
+            raise ValueError("checkpoint.final is 'best' but checkpoint.keep_best names no metric to choose it by "
+                             "(e.g. checkpoint.keep_best=eval/accuracy)")
+        return self
 
 
 class EvalConfig(Section):
@@ -272,6 +284,10 @@ class Config(Section):
     critic: CriticConfig = Field(default_factory=CriticConfig)
     dpo: DpoConfig = Field(default_factory=DpoConfig)
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    adopt_output_dir: bool = Field(
+        False, description="Use an output_dir that holds other files and is not an rlft run directory "
+                           "(its config.yaml, metrics.jsonl, summary.json and final/ would be overwritten).")
 
     @model_validator(mode="before")
     @classmethod

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rlft.config import Config, load_config
 from rlft.errors import ConfigError
+from rlft.monitor.catalogue import preflight
 from rlft.monitor.rundir import RunDir
 
 
@@ -119,10 +120,26 @@ def plan_pipeline(path: str | Path) -> tuple[Pipeline, list[tuple[Stage, Config]
     finals: dict[str, str] = {}
     planned, previous = [], None
     for stage in pipeline.stages:
-        planned.append((stage, stage_config(stage, pipeline, previous, finals, base)))
+        cfg = stage_config(stage, pipeline, previous, finals, base)
+        _check_stage(stage, cfg)
+        planned.append((stage, cfg))
         finals[stage.name] = str(root / stage.name / "final")
         previous = stage.name
     return pipeline, planned
+
+
+def _check_stage(stage: Stage, cfg: Config) -> None:
+    """What a stage reads that exists before the pipeline runs (its data files) and its late
+    settings (eval, best-checkpoint and early-stop metrics), checked before the first stage trains."""
+    for field in ("train", "eval"):
+        source = getattr(cfg.data, field)
+        if source and not source.startswith("hf:") and not Path(source).exists():
+            raise ConfigError(f"stage {stage.name}: data.{field} not found: {source}\n"
+                              "Fix: correct the path (relative paths are read from the working directory)")
+    try:
+        preflight(cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"stage {stage.name}: {exc}") from None
 
 
 def _completed(stage: Stage, cfg: Config) -> dict[str, Any] | None:

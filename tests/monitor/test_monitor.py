@@ -123,9 +123,11 @@ def test_state_keeps_only_watched_keys():
 
 
 def test_monitor_config_validation():
-    with pytest.raises(ValueError, match="monitor.best_metric"):
-        MonitorConfig(final="best")
-    assert MonitorConfig(final="best", early_stop={"metric": "eval/accuracy"}).chosen_best_metric == "eval/accuracy"
+    from rlft.config import CheckpointConfig
+
+    with pytest.raises(ValueError, match="checkpoint.keep_best names no metric"):
+        CheckpointConfig(final="best")
+    assert CheckpointConfig(final="best", keep_best="eval/accuracy").final == "best"
     with pytest.raises(ValueError):
         MonitorConfig(enabled=["kl_blowup"])
     with pytest.raises(ValueError):

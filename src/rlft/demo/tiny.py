@@ -75,6 +75,7 @@ def run_demo(out_dir: str | Path = "demo-output", settings: DemoSettings | None 
     from rlft.eval.run import evaluate_model
     from rlft.models.tiny import build_tiny_model
     from rlft.monitor.console import console
+    from rlft.monitor.report import write_report
 
     s = settings or DemoSettings()
     out = Path(out_dir)
@@ -83,7 +84,7 @@ def run_demo(out_dir: str | Path = "demo-output", settings: DemoSettings | None 
     for stale in (out / "runs" / "sft", out / "runs" / "grpo"):  # a second demo starts afresh
         shutil.rmtree(stale, ignore_errors=True)                 # rather than "nothing to train"
     data = make_datasets(out / "data", s.seed, s.heldout, s.sft_rows, s.rl_rows, s.forget_rate)
-    model = build_tiny_model(out / "base-model", seed=s.seed)
+    model = build_tiny_model(out / "base-model", seed=s.seed, overwrite=True)  # the demo's own folder
     cfgs = configs(out, model, data, s)
     (out / "configs").mkdir(exist_ok=True)
     for name, cfg in cfgs.items():
@@ -110,6 +111,8 @@ def run_demo(out_dir: str | Path = "demo-output", settings: DemoSettings | None 
     results["seconds"] = round(time.perf_counter() - started, 1)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     _print_table(results, out)
+    report = write_report([out / "runs" / "sft", out / "runs" / "grpo"], out / "report.html")
+    console.print(f"report of both runs (curves, samples, health events): {report}")
     return results
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,19 +30,34 @@ def resolve_model(target: str | Path) -> tuple[Path, Path | None]:
 
 def evaluate_model(target: str | Path, data: str, rewards: list[RewardSpec], cfg: EvalConfig, *,
                    split: str = "train", seed: int = 0, max_prompt_length: int = 4096, device: str = "auto",
-                   prefix: str = "eval/", write_summary: bool = True) -> EvalResult:
-    model_dir, run_dir = resolve_model(target)
+                   prefix: str = "eval/") -> EvalResult:
+    model_dir, _ = resolve_model(target)
     policy = load_policy(ModelConfig(path=str(model_dir), device=device), LoraConfig())
     scorer = RewardScorer(rewards) if rewards else None
     encode = make_prompt_encoder(policy.tokenizer, max_prompt_length, scorer.required_fields if scorer else ())
     examples = check_rows(read_rows(data, split), encode, data, "eval prompt")
     engine = build_engine(policy, seed, batch_size=cfg.batch_size)
-    result = evaluate_prompts(engine, examples, cfg, scorer, prefix=prefix, seed=seed)
-    if run_dir is not None and write_summary:
-        from rlft.monitor.rundir import RunDir
+    return evaluate_prompts(engine, examples, cfg, scorer, prefix=prefix, seed=seed)
 
-        RunDir(run_dir).update_summary({**result.metrics, f"{prefix}data": str(data)})
-    return result
+
+def run_settings(run_dir: Path) -> tuple[list[RewardSpec], EvalConfig, int, int]:
+    """(rewards, eval section, seed, max_prompt_length) a run trained and evaluated with: what
+    `rlft eval RUN` uses unless told otherwise, so its numbers compare with the run's own."""
+    from rlft.config import load_config
+
+    config = load_config(run_dir / "config.yaml")
+    return config.rewards, config.eval, config.seed, config.data.max_prompt_length
+
+
+def save_run_eval(run_dir: Path, data: str, result: EvalResult, settings: dict[str, Any]) -> Path:
+    """Keep an evaluation apart from the training summary: `RUN/evals/<data name>.json` with the
+    settings it ran under (a later evaluation of the same data replaces it)."""
+    stem = Path(data.removeprefix("hf:")).name.removesuffix(".jsonl").removesuffix(".parquet") or "eval"
+    out = run_dir / "evals" / f"{stem}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"data": data, "created": time.strftime("%Y-%m-%d %H:%M:%S"), "settings": settings,
+                               "metrics": result.metrics}, indent=2, default=str))
+    return out
 
 
 def write_records(result: EvalResult, path: str | Path) -> None:

@@ -104,8 +104,10 @@ def build_tiny_model(
     arch: Literal["qwen2", "llama"] = "qwen2",
     size: str = "tiny",
     seed: int = 0,
+    overwrite: bool = False,
 ) -> Path:
-    """Write a random-weight causal LM with tokenizer and chat template to `out_dir`."""
+    """Write a random-weight causal LM with tokenizer and chat template to `out_dir`. A folder
+    that already holds files (a trained model, a run) is refused unless `overwrite`."""
     from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
 
     if arch not in ("qwen2", "llama"):
@@ -114,6 +116,13 @@ def build_tiny_model(
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     dims = dict(SIZES[size])
     out = Path(out_dir)
+    if out.is_file() or (out.is_dir() and any(out.iterdir()) and not overwrite):
+        from rlft.errors import RlftError
+
+        what = "a file" if out.is_file() else "not empty" + (" (it holds a model)" if (out / "config.json").exists()
+                                                             else "")
+        raise RlftError(f"{out} is {what}: writing random weights there would replace what it holds.\n"
+                        "Fix: choose a new folder, or pass --force (overwrite=True) to replace it")
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(dims.pop("vocab_size"), arch, seed)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -74,7 +74,9 @@ class LoggerGroup:
             lg.log_samples(step, records)
 
     def close(self) -> None:
-        for lg in self.loggers:
+        """Flush and close every backend; safe to call again (every exit path of a run calls it)."""
+        loggers, self.loggers = self.loggers, []
+        for lg in loggers:
             lg.close()
 
 

@@ -66,7 +66,7 @@ def _plotly_js() -> str:
     try:
         from plotly.offline import get_plotlyjs
     except ImportError:
-        raise RlftError("rlft report needs plotly: pip install 'rlft[report]'") from None
+        raise RlftError("rlft report needs plotly (an rlft dependency): pip install 'plotly>=5'") from None
     return get_plotlyjs()
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from rlft.config import Section
+from rlft.section import Section
 
 DetectorName = Literal["reward_hacking", "length_drift", "repetition", "kl", "entropy_collapse", "ratio_drift",
                        "clip_fraction", "zero_variance", "truncation", "infra_errors"]
@@ -78,8 +78,11 @@ class EntropyCollapseSettings(Section):
 
 
 class RatioDriftSettings(Section):
-    metrics: list[str] = Field(default_factory=lambda: ["ratio/mean", "rollout/ratio_mean"],
-                               description="Mean importance ratio keys; the first one logged is used.")
+    metrics: list[str] = Field(
+        default_factory=lambda: ["rollout/ratio_mean"],
+        description="Mean importance ratio keys; the first one logged is used. rollout/ratio_mean is the "
+                    "trainer-to-engine ratio measured before any update, so the intended drift of later "
+                    "epochs and minibatches (ratio/mean) does not count.")
     max_metric: str = Field("ratio/max", description="Largest token importance ratio of the step.")
     smooth: int = Field(1, ge=1, description=SMOOTH + " One off-policy step is already worth a look.")
     max_mean: float = Field(1.3, gt=1, description="Mean ratio above ~1.3 means training is off-policy.")
@@ -127,7 +130,7 @@ class EarlyStopSettings(Section):
 
 
 class MonitorConfig(Section):
-    """Health detectors, early stopping and the choice of final model."""
+    """Health detectors and early stopping."""
 
     enabled: list[DetectorName] = Field(default_factory=lambda: list(DETECTOR_NAMES),
                                         description="Detectors to run on every logged step.")
@@ -147,21 +150,6 @@ class MonitorConfig(Section):
     repetition_unit: Literal["word", "char"] = Field(
         "word", description="Units of those n-grams: words, or characters for text without spaces.")
     early_stop: EarlyStopSettings = Field(default_factory=EarlyStopSettings)
-    final: Literal["last", "best"] = Field(
-        "last", description="Export the last weights, or the best checkpoint by best_metric, as final/.")
-    best_metric: str | None = Field(
-        None, description="Metric choosing the best checkpoint (default: early_stop.metric).")
-
-    @model_validator(mode="after")
-    def _best_needs_metric(self) -> "MonitorConfig":
-        if self.final == "best" and self.chosen_best_metric is None:
-            raise ValueError("monitor.final is 'best' but no metric says which is best: set monitor.best_metric "
-                             "(e.g. eval/accuracy) or monitor.early_stop.metric")
-        return self
-
-    @property
-    def chosen_best_metric(self) -> str | None:
-        return self.best_metric or self.early_stop.metric
 
     def thresholds(self, name: str) -> dict[str, Any]:
         """Keyword arguments of detector `name`."""

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from rlft.models.template import write_template_record
+from rlft.monitor.rundir import RunDirError, describe_os_error, writing
 
 log = logging.getLogger(__name__)
 
@@ -123,11 +124,42 @@ def load_model_weights(model: Any, is_lora: bool, directory: Path) -> None:
                            f"unexpected {unexpected[:3]})")
 
 
+def checkpoint_path(checkpoints: Path, step: int) -> Path:
+    return checkpoints / f"{PREFIX}{step:08d}"
+
+
 def save_checkpoint(checkpoints: Path, step: int, model: Any, is_lora: bool, tokenizer: Any,
                     trainer_state: dict[str, Any], keep_last: int, protect: set[str] | None = None) -> Path:
-    name = f"{PREFIX}{step:08d}"
-    final = checkpoints / name
+    """Write `step-N/` atomically (see the module docstring). A failed write (a full disk, say)
+    removes its temporary folder, so the space is back and the last good checkpoint stays the
+    newest one a resume finds; the error names the path and the fix."""
+    final = checkpoint_path(checkpoints, step)
+    name = final.name
     tmp = checkpoints / f".tmp-{name}-{os.getpid()}"
+    try:
+        _write_checkpoint(tmp, step, model, is_lora, tokenizer, trainer_state)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        latest = find_latest(checkpoints)
+        kept = f"the last good checkpoint is {latest}" if latest else "no earlier checkpoint exists"
+        raise RunDirError(describe_os_error(exc, f"saving checkpoint {name} ({kept})", tmp)) from None
+    fault_point("ckpt-rename", step)
+    with writing(f"publishing checkpoint {name}", final):
+        if final.exists():  # a stale one from a run resumed at an earlier step
+            shutil.rmtree(final)
+        tmp.rename(final)
+        _fsync_dir(checkpoints)
+        latest_tmp = checkpoints / "latest.tmp"
+        latest_tmp.write_text(name + "\n")
+        os.replace(latest_tmp, checkpoints / "latest")
+        _fsync_dir(checkpoints)
+    prune(checkpoints, keep_last, protect or set())
+    fault_point("ckpt-done", step)
+    return final
+
+
+def _write_checkpoint(tmp: Path, step: int, model: Any, is_lora: bool, tokenizer: Any,
+                      trainer_state: dict[str, Any]) -> None:
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -141,18 +173,13 @@ def save_checkpoint(checkpoints: Path, step: int, model: Any, is_lora: bool, tok
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
     (tmp / MARKER).write_text("ok\n")
     _fsync_tree(tmp)
-    fault_point("ckpt-rename", step)
-    if final.exists():  # a stale one from a run resumed at an earlier step
-        shutil.rmtree(final)
-    tmp.rename(final)
-    _fsync_dir(checkpoints)
-    latest_tmp = checkpoints / "latest.tmp"
-    latest_tmp.write_text(name + "\n")
-    os.replace(latest_tmp, checkpoints / "latest")
-    _fsync_dir(checkpoints)
-    prune(checkpoints, keep_last, protect or set())
-    fault_point("ckpt-done", step)
-    return final
+
+
+def remove_stale_temporaries(checkpoints: Path) -> None:
+    """Temporary folders of saves that never finished (a crash, a full disk): the run directory is
+    locked, so none of them belongs to a save in progress."""
+    for stale in checkpoints.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def prune(checkpoints: Path, keep_last: int, protect: set[str]) -> None:
@@ -160,8 +187,7 @@ def prune(checkpoints: Path, keep_last: int, protect: set[str]) -> None:
     for old in complete[:-keep_last]:
         if old.name not in protect:
             shutil.rmtree(old, ignore_errors=True)
-    for stale in checkpoints.glob(".tmp-*"):  # left by a crash during an earlier save
-        shutil.rmtree(stale, ignore_errors=True)
+    remove_stale_temporaries(checkpoints)
 
 
 def verify_checkpoint(path: Path) -> str | None:

@@ -63,12 +63,20 @@ def make_objective(config: Config) -> OfflineObjective:
 def run_offline(config: Config, objective: OfflineObjective | None = None,
                 policy: LoadedModel | None = None) -> dict[str, Any]:
     objective = objective or make_objective(config)
-    run = open_run(config)
-    policy = policy or getattr(objective, "load_model", load_policy)(config.model, config.lora)
-    session = session_for(config, run, policy)
+    with open_run(config) as run:
+        policy = policy or getattr(objective, "load_model", load_policy)(config.model, config.lora)
+        session = session_for(config, run, policy)
+        try:
+            return _train(config, objective, session)
+        finally:
+            session.loggers.close()
+
+
+def _train(config: Config, objective: OfflineObjective, session: TrainingSession) -> dict[str, Any]:
+    policy = session.policy
     train, evals, data_summary = objective.prepare(policy)
     if data_summary:
-        run.update_summary(data_summary)
+        session.run.update_summary(data_summary)
     tc = config.training
     batch, micro = tc.batch_size, tc.micro_batch_size or tc.batch_size
     steps_per_epoch = math.ceil(len(train) / batch)
@@ -84,7 +92,7 @@ def run_offline(config: Config, objective: OfflineObjective | None = None,
     eval_metrics: dict[str, float] = {}
     try:
         def done() -> bool:
-            return session.step >= total or session.stop_signal is not None
+            return session.step >= total or session.stopping
 
         while cursor.epoch < tc.epochs and not done():
             epoch = cursor.epoch
@@ -98,14 +106,14 @@ def run_offline(config: Config, objective: OfflineObjective | None = None,
                     continue
                 metrics["epoch"] = epoch + (b + 1) / steps_per_epoch
                 if evals and session.eval_due():
-                    eval_metrics = objective.evaluate(policy, evals)
+                    eval_metrics = session.evaluate(lambda: objective.evaluate(policy, evals))
                     metrics.update(eval_metrics)
                     model.train()
                 session.log(metrics)
                 if session.checkpoint_due():
                     session.save_checkpoint()
-        if evals and session.stop_signal is None and session.step < total:  # ended early (skipped steps)
-            eval_metrics = objective.evaluate(policy, evals)
+        if evals and not session.stopping and session.step < total:  # ended early (skipped steps)
+            eval_metrics = session.evaluate(lambda: objective.evaluate(policy, evals))
             session.log_eval(eval_metrics)
     finally:
         session.close_display()

@@ -24,7 +24,7 @@ from rlft.data.validate import check_rows
 from rlft.errors import TrainingHalted
 from rlft.eval.generation import evaluate_prompts
 from rlft.models.loading import Reference, disable_dropout, load_policy
-from rlft.monitor.checks import engine_drift_warning, infra_error_message
+from rlft.monitor.checks import infra_error_message
 from rlft.rewards.scoring import RewardScorer
 from rlft.rollout import rollout_engine, sampling_params
 from rlft.rollout.batch import RolloutBatch
@@ -44,11 +44,18 @@ def load_prompts(data: DataConfig, tokenizer: Any, source: str, split: str, kind
 
 
 def run_online(config: Config) -> dict[str, Any]:
-    a, d = config.algorithm, config.data
-    run = open_run(config)
-    policy = load_policy(config.model, config.lora)
-    disable_dropout(policy.model)  # on-policy, pi / pi_old must be exactly 1 (see rl_update)
-    session = session_for(config, run, policy)
+    with open_run(config) as run:
+        policy = load_policy(config.model, config.lora)
+        disable_dropout(policy.model)  # on-policy, pi / pi_old must be exactly 1 (see rl_update)
+        session = session_for(config, run, policy)
+        try:
+            return _train(config, session)
+        finally:
+            session.loggers.close()
+
+
+def _train(config: Config, session: TrainingSession) -> dict[str, Any]:
+    a, d, policy = config.algorithm, config.data, session.policy
     scorer = RewardScorer(config.rewards, config.scoring.max_workers)
     needs = scorer.required_fields
     prompts = load_prompts(d, policy.tokenizer, d.train, d.split, "prompt", needs)
@@ -72,7 +79,7 @@ def run_online(config: Config) -> dict[str, Any]:
     last: dict[str, float] = {}
     eval_metrics: dict[str, float] = {}
     try:
-        while session.step < total and session.stop_signal is None:
+        while session.step < total and not session.stopping:
             start = time.perf_counter()
             rollout = collect_rollout(engine, sampler, prompts, scorer, params, config.rollout.prompts_per_step,
                                       a.dynamic_sampling, a.dynamic_sampling_max_rounds)
@@ -82,10 +89,12 @@ def run_online(config: Config) -> dict[str, Any]:
                 continue
             engine.sync_weights()
             session.step += 1
+            metrics.update(session.monitor.completion_metrics([c.text for c in rollout.completions]))
             metrics["time/step"] = time.perf_counter() - start
             metrics["tokens_per_s"] = metrics["completion/tokens"] / metrics["time/step"]
             if evals and session.eval_due():
-                eval_metrics = evaluate_prompts(engine, evals, config.eval, scorer, seed=config.seed).metrics
+                eval_metrics = session.evaluate(
+                    lambda: evaluate_prompts(engine, evals, config.eval, scorer, seed=config.seed).metrics)
                 metrics.update(eval_metrics)
             _log_samples(session, rollout, config.logging.num_samples, config.logging.sample_every)
             session.log(metrics)
@@ -148,9 +157,6 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
     if "kl" in metrics:
         kl_ctl.update(metrics["kl"])
     metrics["time/train"] = time.perf_counter() - start
-    warning = engine_drift_warning(metrics)
-    if warning:
-        session.print(f"[yellow]warning: {warning}")
     return metrics
 
 
@@ -182,7 +188,7 @@ def _log_samples(session: TrainingSession, rollout: Rollout, num_samples: int, e
         records.append({"step": session.step, "where": e.where, "prompt": e.prompt_text, "completion": c.text,
                         "reward": rollout.rewards[i], "finish_reason": c.finish_reason,
                         "components": {k: v[i] for k, v in rollout.scores.components.items()}})
-    session.run.log_samples(records)
+    session.log_samples(records)
     if records:
         r = records[0]
         reward = "unverifiable" if r["reward"] is None else f"{r['reward']:.3g}"

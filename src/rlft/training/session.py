@@ -13,17 +13,23 @@ import logging
 import math
 import random
 import signal
+import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 import torch
+from rich.markup import escape
 
 from rlft.config import CheckpointConfig, Config, TrainingConfig, config_warnings
-from rlft.errors import ResumeError, TrainingHalted
+from rlft.errors import ResumeError, RlftError, TrainingHalted
 from rlft.models.loading import LoadedModel, export_model
 from rlft.models.template import check_template
+from rlft.monitor.catalogue import preflight
 from rlft.monitor.console import ProgressDisplay, console
+from rlft.monitor.loggers import LoggerGroup, build_loggers
+from rlft.monitor.monitor import Monitor
 from rlft.monitor.rundir import RunDir
 from rlft.training import checkpoint as ckpt
 from rlft.training.optim import build_optimizer, build_scheduler, clip_gradients
@@ -43,10 +49,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def open_run(config: Config) -> RunDir:
-    """Set up the process (threads, seeds) and the run directory for `config`. A directory that
-    already holds a checkpointed run with a different config is refused: continuing it would mix
-    two experiments. (An attempt that stopped before its first checkpoint is simply restarted.)"""
+@contextmanager
+def open_run(config: Config) -> Iterator[RunDir]:
+    """Set up the process (threads, seeds) and claim the run directory for `config` for as long as
+    the block runs (marked and locked: see RunDir). Settings read late in a run are checked first.
+    A directory that already holds a checkpointed run with a different config is refused:
+    continuing it would mix two experiments. (An attempt that stopped before its first checkpoint
+    is simply restarted.)"""
+    preflight(config)
     if config.training.num_threads:
         torch.set_num_threads(config.training.num_threads)
     seed_everything(config.seed)
@@ -58,22 +68,28 @@ def open_run(config: Config) -> RunDir:
                 f"{run.root} already holds a run with a different config ({', '.join(diffs[:5])}).\n"
                 f"Fix: continue it with `rlft train --resume {run.root}`, or choose another output_dir")
     run.create(config)
-    for warning in config_warnings(config):
-        console.print(f"[yellow]warning: {warning}", highlight=False)
-    return run
+    try:
+        for warning in config_warnings(config):
+            console.print(f"[yellow]warning: {escape(warning)}", highlight=False)
+        yield run
+    finally:
+        run.release()
 
 
 class NonFiniteGuard:
-    """Counts updates skipped for a non-finite loss or gradient norm (in total and in a row)."""
+    """Counts updates: applied ones, and those skipped for a non-finite loss or gradient norm (in
+    total and in a row)."""
 
     def __init__(self, max_in_a_row: int):
         self.max_in_a_row = max_in_a_row
         self.total = 0
         self.streak = 0
+        self.applied = 0
 
     def record(self, finite: bool) -> None:
         if finite:
             self.streak = 0
+            self.applied += 1
         else:
             self.total += 1
             self.streak += 1
@@ -83,15 +99,34 @@ class NonFiniteGuard:
         return self.streak >= self.max_in_a_row
 
     def state_dict(self) -> dict[str, int]:
-        return {"total": self.total, "streak": self.streak}
+        return {"total": self.total, "streak": self.streak, "applied": self.applied}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.total, self.streak = state["total"], state["streak"]
+        self.total, self.streak, self.applied = state["total"], state["streak"], state["applied"]
+
+
+class RunClock:
+    """Wall time of a run, summed over the attempts a resumed run took."""
+
+    def __init__(self) -> None:
+        self.before = 0.0  # seconds of earlier attempts
+        self.started = time.perf_counter()
+
+    @property
+    def elapsed(self) -> float:
+        return self.before + time.perf_counter() - self.started
+
+    def state_dict(self) -> dict[str, float]:
+        return {"elapsed": self.elapsed}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.before, self.started = state["elapsed"], time.perf_counter()
 
 
 class TrainingSession:
     def __init__(self, run: RunDir, policy: LoadedModel, training: TrainingConfig, checkpointing: CheckpointConfig,
-                 *, progress: bool = True, log_every: int = 1, allow_template_change: bool = False):
+                 *, progress: bool = True, log_every: int = 1, allow_template_change: bool = False,
+                 monitor: Monitor | None = None, loggers: LoggerGroup | None = None):
         self.run = run
         self.policy = policy
         self.training = training
@@ -107,7 +142,14 @@ class TrainingSession:
         self.stop_signal: str | None = None
         self.display: ProgressDisplay | None = None
         self.last_metrics: dict[str, Any] = {}  # the latest logged step, for keep_best
-        self._parts: dict[str, Stateful] = {"optimizer": self.optimizer, "nonfinite": self.guard}
+        self.monitor = monitor or Monitor(run_dir=run.root)
+        self.loggers = loggers or LoggerGroup([])
+        self.halt: str | None = None  # a health alert whose action is 'stop'
+        self.early_stop: str | None = None
+        self.clock = RunClock()
+        self._saved_step: int | None = None
+        self._parts: dict[str, Stateful] = {"optimizer": self.optimizer, "nonfinite": self.guard,
+                                            "monitor": self.monitor, "clock": self.clock}
         self._old_handlers: dict[int, Any] = {}
 
     def register(self, name: str, part: Stateful) -> None:
@@ -162,8 +204,15 @@ class TrainingSession:
         return self.optimizer.param_groups[0]["lr"]
 
     # -- checkpoints --------------------------------------------------------------------------
+    @property
+    def stopping(self) -> bool:
+        """A reason to end the loop after this step: a signal, a stop alert, an early stop."""
+        return bool(self.stop_signal or self.halt or self.early_stop)
+
     def save_checkpoint(self) -> Path:
         """Save, keeping the last N and (with checkpoint.keep_best) the best by a logged metric."""
+        if self._saved_step == self.step:  # already saved at this step (e.g. as a new best)
+            return ckpt.checkpoint_path(self.run.checkpoints, self.step)
         cfg = self.checkpointing
         best = ckpt.read_best(self.run.checkpoints)
         protect = {best["checkpoint"]} if best else set()
@@ -177,11 +226,21 @@ class TrainingSession:
                 ckpt.record_best(self.run.checkpoints, path.name, cfg.keep_best, value)
                 if best and best["checkpoint"] != path.name:  # the previous best is now an ordinary one
                     ckpt.prune(self.run.checkpoints, cfg.keep_last, {path.name})
+        self._saved_step = self.step
         return path
+
+    def _improves_best(self, record: dict[str, Any]) -> bool:
+        cfg = self.checkpointing
+        value = record.get(cfg.keep_best) if cfg.keep_best else None
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False
+        best = ckpt.read_best(self.run.checkpoints)
+        return best is None or (value > best["value"] if cfg.best_mode == "max" else value < best["value"])
 
     def resume(self) -> bool:
         """Load the newest intact checkpoint into the model and every registered part; False on a
         fresh start."""
+        ckpt.remove_stale_temporaries(self.run.checkpoints)  # space a failed save may still hold
         path = ckpt.find_latest(self.run.checkpoints)
         if path is None:
             self.run.truncate_logs(0)  # logs of an attempt that never reached a checkpoint
@@ -243,31 +302,100 @@ class TrainingSession:
             console.print(*args)
 
     def log(self, metrics: dict[str, Any]) -> None:
+        """Record one step: metrics.jsonl (every `log_every` steps and the last), the logging
+        backends, the health monitor (every step), a checkpoint when the step is a new best."""
         record = {"step": self.step, **metrics}
         self.last_metrics = record
         if self.step % self.log_every == 0 or self.step == self.total_steps:
             self.run.log_metrics(record)
+            self.loggers.log_metrics(self.step, record)
+        self._watch(record)
         if self.display is not None:
             self.display.update(self.step, record)
 
     def log_eval(self, metrics: dict[str, Any]) -> None:
         """An evaluation outside a logged step: its own metrics line, also seen by keep_best."""
-        self.run.log_metrics({"step": self.step, **metrics})
+        record = {"step": self.step, **metrics}
+        self.run.log_metrics(record)
+        self.loggers.log_metrics(self.step, record)
         self.last_metrics.update(metrics)
+        self._watch(record)
+
+    def log_samples(self, records: list[dict[str, Any]]) -> None:
+        self.run.log_samples(records)
+        self.loggers.log_samples(self.step, records)
+
+    def _watch(self, record: dict[str, Any]) -> None:
+        for alert in self.monitor.observe(record):
+            colour = "red" if alert.action == "stop" else "yellow"
+            self.print(f"[{colour}]{alert.action}: {alert.detector} at step {alert.step}: {escape(alert.message)}")
+            if alert.action == "stop":
+                self.halt = self.halt or f"{alert.detector}: {alert.message}"
+        self.early_stop = self.early_stop or self.monitor.should_stop_early(record)
+        if self._improves_best(record):
+            self.save_checkpoint()
+
+    def evaluate(self, evaluate: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """Run an evaluation; if it fails, the trained steps are saved first (a checkpoint, and the
+        final export after the last step), then one error says where they are."""
+        try:
+            return evaluate()
+        except Exception as exc:
+            path = self.save_checkpoint()
+            saved = f"checkpoint {path}"
+            if self.step >= self.total_steps:
+                export_model(self.policy, self.run.final)
+                saved += f" and the final model {self.run.final}"
+            self.run.update_summary({"status": "eval_failed", "step": self.step, "error": f"{type(exc).__name__}: {exc}"})
+            last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+            raise RlftError(f"the evaluation at step {self.step} failed ({type(exc).__name__}: {last}); the trained "
+                            f"weights are safe: {saved}.\nFix the evaluation settings, then evaluate with "
+                            f"`rlft eval {self.run.root}` or resume with `rlft train --resume {self.run.root}`"
+                            ) from exc
 
     def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
-        """Checkpoint, export the final model (merged; adapter too under LoRA), write summary.json."""
-        self.close_display()
-        self._restore_signal_handlers()
-        if self.stop_signal is not None:
+        """Checkpoint, export the final model (merged; adapter too under LoRA) unless a health
+        alert stopped the run, and write summary.json."""
+        try:
+            self.close_display()
+            self._restore_signal_handlers()
+            summary = {"step": self.step, "wall_time_s": round(self.clock.elapsed, 1),
+                       "optimizer_steps": self.guard.applied, "nonfinite_skipped": self.nonfinite_total, **summary}
             path = self.save_checkpoint()
-            self.print(f"stopped by {self.stop_signal} at step {self.step}; checkpoint {path}\n"
-                       f"resume with: rlft train --resume {self.run.root}")
-            return self.run.update_summary({"status": "interrupted", "step": self.step, **summary})
-        self.save_checkpoint()
+            if self.stop_signal is not None:
+                self.print(f"stopped by {self.stop_signal} at step {self.step}; checkpoint {path}\n"
+                           f"resume with: rlft train --resume {self.run.root}")
+                return self.run.update_summary({"status": "interrupted", **summary})
+            if self.halt is not None:
+                self.print(f"[red]stopped by the health monitor at step {self.step}: {escape(self.halt)}\n"
+                           f"checkpoint {path} (no final/ export). To only warn: monitor.on_alert.<detector>=warn")
+                return self.run.update_summary({"status": "stopped", "stop_reason": self.halt, **summary})
+            if self.early_stop is not None:
+                self.print(f"early stop at step {self.step}: {escape(self.early_stop)}")
+                summary["early_stop"] = self.early_stop
+            if self.guard.applied == 0:
+                summary["warning"] = self._no_update_warning()
+                self.print(f"[bold yellow]warning: {escape(summary['warning'])}")
+            summary["final_from"] = self._export_final()
+            return self.run.update_summary({"status": "completed", "final_model": str(self.run.final), **summary})
+        finally:
+            self.loggers.close()
+
+    def _export_final(self) -> str:
+        """final/ from the last weights, or (checkpoint.final: best) from the best checkpoint."""
+        best = ckpt.read_best(self.run.checkpoints) if self.checkpointing.final == "best" else None
+        if best is None:
+            export_model(self.policy, self.run.final)
+            return f"step {self.step} (last)"
+        path = self.run.checkpoints / best["checkpoint"]
+        ckpt.load_model_weights(self.policy.model, self.policy.is_lora, path)
         export_model(self.policy, self.run.final)
-        return self.run.update_summary({"status": "completed", "step": self.step, "final_model": str(self.run.final),
-                                        "nonfinite_skipped": self.nonfinite_total, **summary})
+        return f"{best['checkpoint']} (best {best['metric']} = {best['value']:.4g})"
+
+    def _no_update_warning(self) -> str:
+        return (f"no optimizer step was taken in {self.step} steps: the model in final/ is the starting model. "
+                "In online RL this means every group's rewards were equal (no advantage): check that the "
+                "reward can tell completions apart, or use harder/easier prompts")
 
     def close_display(self) -> None:
         if self.display is not None:
@@ -276,6 +404,10 @@ class TrainingSession:
 
 
 def session_for(config: Config, run: RunDir, policy: LoadedModel) -> TrainingSession:
-    """The session of a run, from its config's sections."""
+    """The session of a run, from its config's sections; the logging backends are built here, so a
+    missing package stops the run before training."""
+    loggers = build_loggers(config.logging.backends, run.root, run.root.name, config.logging)
+    loggers.log_config(config.model_dump(mode="json"))
     return TrainingSession(run, policy, config.training, config.checkpoint, progress=config.logging.progress,
-                           log_every=config.logging.log_every, allow_template_change=config.model.allow_template_change)
+                           log_every=config.logging.log_every, allow_template_change=config.model.allow_template_change,
+                           monitor=Monitor(config.monitor, run.root), loggers=loggers)

@@ -1,0 +1,99 @@
+"""The metric names a run logs, known before it starts, so settings that name a metric
+(`checkpoint.keep_best`, `monitor.early_stop.metric`) are checked at start-up instead of failing
+(or silently never firing) hours later. Tests check every key a real run logs is listed here."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from rlft.errors import ConfigError
+
+_STEP = ("step", "lr", "grad_norm", "loss", "nonfinite_skipped")
+_ONLINE = (
+    "reward/mean", "reward/std", "reward/infra_error_rate", "completion/length_mean", "completion/length_max",
+    "completion/truncation_rate", "completion/tokens", "completion/repetition_rate", "beta", "entropy",
+    "adv/zero_std_group_frac", "adv/mean", "adv/std", "adv/max", "adv/min", "clip/low_frac", "clip/high_frac",
+    "clip/dual_frac", "ratio/mean", "ratio/max", "ratio/min", "policy/approx_kl", "update/optimizer_steps",
+    "update/skipped_no_signal", "rollout/logprob_diff_mean", "rollout/logprob_diff_max", "rollout/ratio_mean",
+    "time/generate", "time/score", "time/train", "time/step", "tokens_per_s")
+_ONLINE_IF = {
+    "kl": ("kl",),
+    "tis": ("rollout/tis_weight_mean", "rollout/tis_capped_frac"),
+    "dynamic_sampling": ("dynamic_sampling/rounds", "dynamic_sampling/dropped_groups", "dynamic_sampling/kept_groups",
+                         "dynamic_sampling/reward_mean_before_filter"),
+    "critic": ("value/loss", "value/clip_frac", "value/mse", "value/mean", "value/returns_mean", "critic/grad_norm"),
+}
+_GENERATION_EVAL = ("eval/format_compliance", "eval/length_mean", "eval/truncation_rate", "eval/num_prompts")
+_REWARD_EVAL = ("eval/reward_mean", "eval/accuracy", "eval/pass@1")
+_OFFLINE = ("step_time", "tokens", "tokens_per_s", "epoch")
+_BY_METHOD = {
+    "sft": ((), ("eval/loss", "eval/perplexity") + _GENERATION_EVAL),
+    "dpo": (("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen",
+             "logps/rejected", "nll/chosen"),
+            ("eval/loss", "eval/rewards/chosen", "eval/rewards/rejected", "eval/rewards/margin",
+             "eval/rewards/accuracy", "eval/logps/chosen", "eval/logps/rejected", "eval/nll/chosen")),
+    "reward_model": (("rm/accuracy", "rm/margin", "scores/chosen", "scores/rejected"),
+                     ("eval/loss", "eval/accuracy", "eval/margin", "eval/score_mean", "eval/score_std",
+                      "eval/prefers_longer")),
+}
+
+
+def metric_names(config: Any, components: list[str]) -> tuple[set[str], tuple[str, ...]]:
+    """(names a run of `config` logs, prefixes under which further names appear) -- the prefixes
+    cover the parts of dict-valued rewards (`reward/<component>/<part>`), known only at run time."""
+    names, prefixes = set(_STEP), []
+    has_eval = bool(config.data.eval)
+    if config.is_online:
+        a = config.algorithm
+        names.update(_ONLINE)
+        names.update(f"reward/{c}" for c in components)
+        prefixes += [f"reward/{c}/" for c in components]
+        names.update(_ONLINE_IF["kl"] if config.needs_reference else ())
+        names.update(_ONLINE_IF["tis"] if a.rollout_correction == "tis" else ())
+        names.update(_ONLINE_IF["dynamic_sampling"] if a.dynamic_sampling else ())
+        names.update(_ONLINE_IF["critic"] if a.advantage == "gae" else ())
+        if has_eval:
+            names.update(_GENERATION_EVAL + _REWARD_EVAL + (f"eval/pass@{config.eval.num_samples}",))
+        return names, tuple(prefixes)
+    train_keys, eval_keys = _BY_METHOD[config.method]
+    names.update(_OFFLINE + train_keys)
+    if has_eval:
+        names.update(eval_keys)
+        if config.method == "sft" and components:
+            names.update(_REWARD_EVAL + (f"eval/pass@{config.eval.num_samples}",))
+    return names, tuple(prefixes)
+
+
+def check_metric_setting(setting: str, name: str | None, config: Any, components: list[str]) -> None:
+    """ConfigError when `name` (the value of `setting`) is not a metric this run logs."""
+    if name is None:
+        return
+    names, prefixes = metric_names(config, components)
+    if name in names or name.startswith(prefixes):
+        return
+    guess = difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.6)
+    hint = f" Did you mean {guess[0]!r}?" if guess else ""
+    needs_eval = name.startswith("eval/") and not config.data.eval
+    why = " (eval/ metrics need held-out data: set data.eval)" if needs_eval else ""
+    raise ConfigError(f"{setting}={name!r} is not a metric this {config.method} run logs{why}.{hint}\n"
+                      f"Metrics it logs: {', '.join(sorted(names))}")
+
+
+def preflight(config: Any) -> None:
+    """Settings that are only read late in a run (the evaluation, the best-checkpoint metric,
+    early stopping), checked before the first step so a typo costs seconds, not a run."""
+    components = [spec.component for spec in config.rewards]
+    name = config.eval.correct_component
+    if name is not None:
+        if not components:
+            raise ConfigError(f"eval.correct_component={name!r}, but the run has no rewards to score the evaluation "
+                              "with.\nFix: add rewards (e.g. rewards: [{fn: math, name: correct}]) or drop it")
+        if name not in components and name.split("/", 1)[0] not in components:
+            guess = difflib.get_close_matches(name, components, n=1, cutoff=0.5)
+            hint = f" Did you mean {guess[0]!r}?" if guess else ""
+            raise ConfigError(f"eval.correct_component={name!r} is not a reward component of this run "
+                              f"(components: {', '.join(components)}; a dict reward's part is written "
+                              f"'<component>/<part>').{hint}")
+    check_metric_setting("checkpoint.keep_best", config.checkpoint.keep_best, config, components)
+    check_metric_setting("monitor.early_stop.metric", config.monitor.early_stop.metric, config, components)
