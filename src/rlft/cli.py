@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -32,8 +33,17 @@ def train(
     else:
         summary = api.train(config, list(overrides or []))
     _print_summary(summary)
-    if summary.get("status") not in ("completed", "interrupted"):
+    if summary.get("status") == "interrupted":  # the shell's convention: 128 + the signal's number
+        raise typer.Exit(128 + _signal_number(summary.get("signal")))
+    if summary.get("status") != "completed":
         raise typer.Exit(1)
+
+
+def _signal_number(name: object) -> int:
+    try:
+        return int(signal.Signals[str(name)])
+    except KeyError:  # a summary that does not name the signal: Ctrl-C, the usual one
+        return int(signal.SIGINT)
 
 
 # what a pipeline's summary table shows per stage (the first three a stage has); all of them are
@@ -158,6 +168,7 @@ app.add_typer(sandbox_app, name="sandbox", help="Run a program against tests in 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     quiet_libraries()
+    saved = _raise_on_signals()
     try:
         app()
     except RlftError as exc:
@@ -165,6 +176,35 @@ def main() -> None:
 
         console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         sys.exit(2)
+    except Interrupted as exc:  # before training started, or a second Ctrl-C (which said what it skipped)
+        console.print(f"interrupted ({exc.name})", highlight=False)
+        sys.exit(128 + exc.signum)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+class Interrupted(BaseException):
+    """SIGINT / SIGTERM outside a training loop's own handling: the command stops, without a
+    traceback, with the shell's status for the signal (128 + its number). A BaseException that
+    is not KeyboardInterrupt, so click does not turn it into 'Aborted!' and status 1."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum, self.name = signum, signal.Signals(signum).name
+
+
+def _raise_on_signals() -> dict[int, object]:
+    def handler(signum: int, frame: object) -> None:
+        raise Interrupted(signum)
+
+    saved = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            saved[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread
+            pass
+    return saved
 
 
 if __name__ == "__main__":

@@ -190,6 +190,21 @@ class ScoringConfig(Section):
     max_workers: int = Field(8, ge=1, description="Reward calls run concurrently (threads; sandboxes are processes).")
     max_infra_error_rate: float = Field(
         0.5, ge=0, le=1, description="Stop when a step's share of unverifiable (None) rewards exceeds this.")
+    timeout_s: float = Field(
+        60.0, gt=0, description="Time limit of one reward call, from its start (a batch reward gets this per "
+                                "sample); a call past it is unverifiable (None), counted as reward/timeouts and "
+                                "warned about. 60 s is far above a rule reward's milliseconds and covers the code "
+                                "reward's own bound (its program timeout, 10 s by default, + 5 s sandbox start-up, "
+                                "twice when calls wait for a free sandbox); a shorter limit than a code reward "
+                                "needs is refused at start-up.")
+    max_consecutive_timeouts: int | None = Field(
+        8, ge=1, description="Stop the run (with a checkpoint of the last completed step) when one reward's calls "
+                             "time out this many times in a row: counted in the order the calls end, across steps, "
+                             "and reset by any call of that reward that ends in time. null: never stop for this.")
+    on_reward_error: Literal["stop", "unverifiable"] = Field(
+        "stop", description="A reward call that raises or returns something other than a float, None or a dict of "
+                            "floats (NaN, inf, a string, a list): stop the run with one message naming the reward "
+                            "and the row, or count the row as unverifiable (None; reward/errors, a warning).")
 
 
 class LoggingConfig(Section):

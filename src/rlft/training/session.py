@@ -218,11 +218,21 @@ class TrainingSession:
 
     # -- signals ------------------------------------------------------------------------------
     def _install_signal_handlers(self) -> None:
+        """The first SIGINT / SIGTERM asks the loop to stop: it ends after the current step, or at
+        once when it is waiting for rewards (the step is then abandoned), and saves a checkpoint of
+        the last completed step. A second one stops at once, without saving."""
         def handler(signum, frame):
-            if self.stop_signal is not None:  # a second Ctrl-C: stop now
+            name = signal.Signals(signum).name
+            if self.stop_signal is not None:
+                self.print(f"[yellow]second {name}: stopping now without saving; resume later from the last "
+                           f"checkpoint with: rlft train --resume {self.run.root}")
+                previous = self._old_handlers.get(signum)
+                if callable(previous):  # the caller's own way to stop (the CLI's: no traceback)
+                    previous(signum, frame)
                 raise KeyboardInterrupt
-            self.stop_signal = signal.Signals(signum).name
-            self.print(f"[yellow]{self.stop_signal}: finishing this step, then saving a checkpoint")
+            self.stop_signal = name
+            self.print(f"[yellow]{name}: stopping after this step (at once if rewards are still running) and "
+                       "saving a checkpoint; press Ctrl-C again to stop now without saving")
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
@@ -231,6 +241,7 @@ class TrainingSession:
                 pass
 
     def _restore_signal_handlers(self) -> None:
+        """Idempotent: the loop calls it when it ends (an error included), finish() again."""
         for sig, old in self._old_handlers.items():
             signal.signal(sig, old)
         self._old_handlers.clear()
