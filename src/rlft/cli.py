@@ -67,8 +67,14 @@ def pipeline(file: Path = typer.Argument(..., help="Pipeline YAML: output_dir an
                 if isinstance(summary.get("eval/" + k), (int, float))][:3]
         table.add_row(name, str(summary.get("status")), str(summary.get("final_model", "")), "\n".join(held))
     console.print(table)
+    stopped = [s for s in results.values() if s.get("status") == "interrupted"]
+    if stopped:
+        raise typer.Exit(128 + _signal_number(stopped[0].get("signal")))
     if any(s.get("status") != "completed" for s in results.values()):
         raise typer.Exit(1)
+
+
+EVAL_FLAGS = {"num_samples": "--samples", "temperature": "--temperature", "max_new_tokens": "--max-new-tokens"}
 
 
 @app.command(help="Evaluate a model folder or run directory on held-out prompts: accuracy, reward, pass@k.")
@@ -83,7 +89,7 @@ def eval(
     split: str = typer.Option("train", help="Split for hf: datasets."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write per-completion records (JSONL) here."),
 ) -> None:
-    from rlft.config import EvalConfig, RewardSpec, load_config
+    from rlft.config import EvalConfig, RewardSpec, load_config, validate_flags
     from rlft.eval.run import evaluate_model, summary_rows, write_records
 
     cfg, rewards = EvalConfig(), [RewardSpec(fn=r) for r in reward or []]
@@ -92,7 +98,8 @@ def eval(
         cfg, rewards = loaded.eval, rewards or loaded.rewards
     updates = {k: v for k, v in dict(num_samples=samples, temperature=temperature,
                                       max_new_tokens=max_new_tokens).items() if v is not None}
-    cfg = cfg.model_copy(update=updates)
+    # the flags get the config fields' checks (model_copy would take them unchecked)
+    cfg = validate_flags(EvalConfig, {**cfg.model_dump(), **updates}, EVAL_FLAGS, "eval.")
     result = evaluate_model(target, data, rewards, cfg, split=split)
     if out is not None:
         write_records(result, out)
@@ -133,9 +140,11 @@ def demo(
 
 @app.command("config-help", help="List every config field with its default and meaning.")
 def config_help() -> None:
-    from rlft.config import config_reference
+    from rlft.config_help import config_reference, reward_reference
 
     print(config_reference())
+    print()
+    print(reward_reference())
 
 
 def _print_summary(summary: dict) -> None:

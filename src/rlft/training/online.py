@@ -43,7 +43,7 @@ def load_prompts(data: DataConfig, tokenizer: Any, source: str, split: str, kind
                  required: tuple[str, ...] = ()) -> list[PromptExample]:
     """Prompt rows, each checked (and `required` fields present: what the rewards read)."""
     encode = make_prompt_encoder(tokenizer, data.max_prompt_length, required)
-    return check_rows(read_rows(source, split), encode, source, kind, data.on_invalid)
+    return check_rows(read_rows(source, split, data.max_row_bytes), encode, source, kind, data.on_invalid)
 
 
 def run_online(config: Config) -> dict[str, Any]:
