@@ -107,6 +107,27 @@ def test_an_interrupted_run_exits_130_with_the_resume_hint(tmp_path, qwen_path, 
     assert json.loads((tmp_path / "runs" / "sft" / "summary.json").read_text())["status"] == "interrupted"
 
 
+def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path, qwen_path, monkeypatch, capsys):
+    from rlft.training.session import TrainingSession
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(_tiny_sft(tmp_path, qwen_path, rows=8, training={"batch_size": 2})))
+    log = TrainingSession.log
+
+    def log_then_two_ctrl_c(self, metrics):
+        log(self, metrics)
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+
+    monkeypatch.setattr(TrainingSession, "log", log_then_two_ctrl_c)
+    result = run_main(monkeypatch, capsys, "train", str(cfg))
+    output = result.stdout + result.stderr
+    assert result.returncode == 130 and "Traceback" not in output, output
+    assert "second SIGINT: stopping now without saving" in output and "interrupted (SIGINT)" in output
+    assert not (tmp_path / "runs" / "sft" / "summary.json").exists()
+
+
 def test_the_exit_status_follows_the_signal_named_in_the_summary():
     from rlft.cli import _signal_number
 

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import os
 import struct
 from pathlib import Path
 from typing import Any
 
 from rlft.errors import RlftError
+
+log = logging.getLogger(__name__)
 
 # Files a saved tokenizer consists of; a folder with none of them has no tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -173,8 +176,12 @@ def check_causal_lm(model: Any, loading_info: dict[str, Any], path: str) -> None
     model.eval()
     try:
         with torch.no_grad():
-            a = model(input_ids=probe).logits[0, :4].float()  # [4, V]
-            b = model(input_ids=changed).logits[0, :4].float()
+            mask = torch.ones_like(probe)
+            a = model(input_ids=probe, attention_mask=mask).logits[0, :4].float()  # [4, V]
+            b = model(input_ids=changed, attention_mask=mask).logits[0, :4].float()
+    except Exception as exc:  # noqa: BLE001  (a custom model that cannot run this probe: not judged here)
+        log.info("causality probe skipped for %s: %s: %s", path, type(exc).__name__, exc)
+        return
     finally:
         model.train(was_training)
     exact = next(model.parameters()).dtype == torch.float32

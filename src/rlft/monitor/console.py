@@ -73,8 +73,8 @@ class ProgressDisplay:
     def print(self, *args: Any) -> None:
         if self._progress is not None:
             self._progress.console.print(*args)
-        else:  # a log file: one line per message, however long
-            console.print(*args, soft_wrap=self._lines)
+        else:  # into a log file: one line per message, however long
+            console.print(*args, soft_wrap=not console.is_terminal)
 
     def close(self) -> None:
         if self._progress is not None:

@@ -71,6 +71,7 @@ def call_all(thunks: Sequence[Callable[[], Any]], max_workers: int, timeout_s: f
         if on_outcome is not None:
             on_outcome(i, out)
 
+    max_workers = max(1, max_workers)
     while pending or running:
         while pending and len(running) < max_workers:
             i = pending.popleft()
