@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from rlft.config import RewardSpec
-from rlft.errors import ConfigError
+from rlft.errors import ConfigError, RewardError
 from rlft.eval.generation import pass_at_k
 from rlft.rewards.scoring import RewardScorer
 
@@ -92,7 +92,7 @@ def test_duplicate_component_names_are_rejected():
 def test_non_finite_reward_is_an_error(user_file, tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def nan(prompt, completion, **row):\n    return float('nan')\n")
-    with pytest.raises(ValueError, match="non-finite"):
+    with pytest.raises(RewardError, match="non-finite"):
         RewardScorer([RewardSpec(fn=f"{bad}:nan")]).score(["p"], ["c"], [{}])
 
 

@@ -185,9 +185,9 @@ def test_a_failing_final_evaluation_keeps_the_trained_steps(root, tmp_path):
     out = tmp_path / "evalfail"
     cfg = grpo(root, out, data={"eval": str(tmp_path / "heldout.jsonl")})
     cfg["rewards"] = [{"fn": f"{tmp_path / 'picky.py'}:picky"}]
-    with pytest.raises(RlftError, match="the evaluation at step 2 failed") as info:
+    with pytest.raises(RlftError, match="the evaluation after step 2 failed") as info:
         train(cfg)
-    assert "the trained weights are safe" in str(info.value)
+    assert "The trained weights are safe" in str(info.value)
     assert (out / "checkpoints" / "step-00000002" / "COMPLETE").is_file()
     assert (out / "final" / "model.safetensors").is_file()
     summary = json.loads((out / "summary.json").read_text())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -32,8 +33,17 @@ def train(
     else:
         summary = api.train(config, list(overrides or []))
     _print_summary(summary)
-    if summary.get("status") not in ("completed", "interrupted"):
+    if summary.get("status") == "interrupted":  # the shell's convention: 128 + the signal's number
+        raise typer.Exit(128 + _signal_number(summary.get("signal")))
+    if summary.get("status") != "completed":
         raise typer.Exit(1)
+
+
+def _signal_number(name: object) -> int:
+    try:
+        return int(signal.Signals[str(name)])
+    except KeyError:  # a summary that does not name the signal: Ctrl-C, the usual one
+        return int(signal.SIGINT)
 
 
 # what a pipeline's summary table shows per stage (the first three a stage has); all of them are
@@ -57,8 +67,14 @@ def pipeline(file: Path = typer.Argument(..., help="Pipeline YAML: output_dir an
                 if isinstance(summary.get("eval/" + k), (int, float))][:3]
         table.add_row(name, str(summary.get("status")), str(summary.get("final_model", "")), "\n".join(held))
     console.print(table)
+    stopped = [s for s in results.values() if s.get("status") == "interrupted"]
+    if stopped:
+        raise typer.Exit(128 + _signal_number(stopped[0].get("signal")))
     if any(s.get("status") != "completed" for s in results.values()):
         raise typer.Exit(1)
+
+
+EVAL_FLAGS = {"num_samples": "--samples", "temperature": "--temperature", "max_new_tokens": "--max-new-tokens"}
 
 
 @app.command(help="Evaluate a model folder or run directory on held-out prompts: accuracy, reward, pass@k.")
@@ -74,21 +90,22 @@ def eval(
     split: str = typer.Option("train", help="Split for hf: datasets."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write per-completion records (JSONL) here."),
 ) -> None:
-    from rlft.config import EvalConfig, RewardSpec, load_config
+    from rlft.config import EvalConfig, RewardSpec, load_config, validate_flags
     from rlft.eval.run import evaluate_model, resolve_model, run_settings, save_run_eval, summary_rows, write_records
 
     _, run_dir = resolve_model(target)
-    cfg, rewards, seed, max_prompt = EvalConfig(), [RewardSpec(fn=r) for r in reward or []], 0, 4096
-    if config is not None:
-        loaded = load_config(config)
-        cfg, rewards, seed = loaded.eval, rewards or loaded.rewards, loaded.seed
-    elif run_dir is not None:  # the run's own evaluation settings, so the numbers compare with its own
-        run_rewards, cfg, seed, max_prompt = run_settings(run_dir)
-        rewards = rewards or run_rewards
+    settings = load_config(config) if config is not None else run_settings(run_dir) if run_dir is not None else None
+    cfg, rewards = EvalConfig(), [RewardSpec(fn=r) for r in reward or []]
+    seed, max_prompt, scoring, max_row_bytes = 0, 4096, None, None
+    if settings is not None:  # a config, or the run's own settings, so the numbers compare with its own
+        cfg, rewards, seed, scoring = settings.eval, rewards or settings.rewards, settings.seed, settings.scoring
+        max_prompt, max_row_bytes = settings.data.max_prompt_length, settings.data.max_row_bytes
     updates = {k: v for k, v in dict(num_samples=samples, temperature=temperature,
                                       max_new_tokens=max_new_tokens).items() if v is not None}
-    cfg = cfg.model_copy(update=updates)
-    result = evaluate_model(target, data, rewards, cfg, split=split, seed=seed, max_prompt_length=max_prompt)
+    # the flags get the config fields' checks (model_copy would take them unchecked)
+    cfg = validate_flags(EvalConfig, {**cfg.model_dump(), **updates}, EVAL_FLAGS, "eval.")
+    result = evaluate_model(target, data, rewards, cfg, split=split, seed=seed, max_prompt_length=max_prompt,
+                            scoring=scoring, **({"max_row_bytes": max_row_bytes} if max_row_bytes else {}))
     if out is not None:
         write_records(result, out)
     if run_dir is not None:
@@ -134,9 +151,11 @@ def demo(
 
 @app.command("config-help", help="List every config field with its default and meaning.")
 def config_help() -> None:
-    from rlft.config import config_reference
+    from rlft.config_help import config_reference, reward_reference
 
     print(config_reference())
+    print()
+    print(reward_reference())
 
 
 def _print_summary(summary: dict) -> None:
@@ -171,6 +190,7 @@ register_monitor_commands(app)
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     quiet_libraries()
+    saved = _raise_on_signals()
     try:
         app()
     except RlftError as exc:
@@ -178,6 +198,35 @@ def main() -> None:
 
         console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         sys.exit(2)
+    except Interrupted as exc:  # before training started, or a second Ctrl-C (which said what it skipped)
+        console.print(f"interrupted ({exc.name})", highlight=False)
+        sys.exit(128 + exc.signum)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+class Interrupted(BaseException):
+    """SIGINT / SIGTERM outside a training loop's own handling: the command stops, without a
+    traceback, with the shell's status for the signal (128 + its number). A BaseException that
+    is not KeyboardInterrupt, so click does not turn it into 'Aborted!' and status 1."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum, self.name = signum, signal.Signals(signum).name
+
+
+def _raise_on_signals() -> dict[int, object]:
+    def handler(signum: int, frame: object) -> None:
+        raise Interrupted(signum)
+
+    saved = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            saved[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread
+            pass
+    return saved
 
 
 if __name__ == "__main__":

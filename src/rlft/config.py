@@ -58,6 +58,10 @@ class DataConfig(Section):
     shuffle: bool = Field(True, description="Shuffle training rows each epoch (seeded).")
     on_invalid: Literal["error", "drop"] = Field(
         "error", description="Invalid rows: stop with a report (error) or drop them with the same report (drop).")
+    max_row_bytes: int = Field(
+        8 << 20, ge=1, description="Rows larger than this (bytes of the JSON line, or of a row's text) are invalid "
+                                   "rows, rejected before they are parsed or tokenized (a 50 MB line would take "
+                                   "minutes and gigabytes). 8 MiB leaves room for large test suites of code tasks.")
 
 
 class TrainingConfig(Section):
@@ -193,6 +197,21 @@ class ScoringConfig(Section):
     max_workers: int = Field(8, ge=1, description="Reward calls run concurrently (threads; sandboxes are processes).")
     max_infra_error_rate: float = Field(
         0.5, ge=0, le=1, description="Stop when a step's share of unverifiable (None) rewards exceeds this.")
+    timeout_s: float = Field(
+        60.0, gt=0, description="Time limit of one reward call, from its start (a batch reward gets this per "
+                                "sample); a call past it is unverifiable (None), counted as reward/timeouts and "
+                                "warned about. 60 s is far above a rule reward's milliseconds and covers the code "
+                                "reward's own bound (its program timeout, 10 s by default, + 5 s sandbox start-up, "
+                                "twice when calls wait for a free sandbox); a shorter limit than a code reward "
+                                "needs is refused at start-up.")
+    max_consecutive_timeouts: int | None = Field(
+        8, ge=1, description="Stop the run (with a checkpoint of the last completed step) when one reward's calls "
+                             "time out this many times in a row: counted in the order the calls end, across steps, "
+                             "and reset by any call of that reward that ends in time. null: never stop for this.")
+    on_reward_error: Literal["stop", "unverifiable"] = Field(
+        "stop", description="A reward call that raises or returns something other than a float, None or a dict of "
+                            "floats (NaN, inf, a string, a list): stop the run with one message naming the reward "
+                            "and the row, or count the row as unverifiable (None; reward/errors, a warning).")
 
 
 class LoggingConfig(LoggerSettings):
@@ -377,9 +396,11 @@ def load_config(source: str | Path | dict[str, Any], overrides: list[str] | None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, data:, ...)")
         origin = str(path)
+    given: dict[str, str] = {}  # dotted key -> the override as written, to say where an error came from
     for item in overrides or []:
         apply_override(raw, item)
-    return validate_config(raw, origin)
+        given[item.partition("=")[0].strip()] = item
+    return validate_config(raw, origin, given)
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
@@ -404,12 +425,38 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     node[parts[-1]] = value
 
 
-def validate_config(raw: dict[str, Any], origin: str = "config") -> Config:
+def validate_config(raw: dict[str, Any], origin: str = "config", overrides: dict[str, str] | None = None) -> Config:
+    """`overrides` (dotted key -> 'key=value' as given) lets an error name the command-line override
+    it came from instead of blaming the file."""
     try:
         return Config.model_validate(raw)
     except ValidationError as exc:
-        lines = [_describe_error(err) for err in exc.errors()]
-        raise ConfigError(f"{origin}: invalid configuration\n" + "\n".join(f"  - {ln}" for ln in lines)) from None
+        in_file, on_command_line = [], []
+        for err in exc.errors():
+            text = _describe_error(err)
+            item = _override_behind(err, text, overrides or {})
+            if item is None:
+                in_file.append(text)
+            else:
+                on_command_line.append(f"command-line override {item!r}: {text}")
+        parts = []
+        if in_file:
+            parts.append(f"{origin}: invalid configuration\n" + "\n".join(f"  - {ln}" for ln in in_file))
+        parts += on_command_line
+        raise ConfigError("\n".join(parts)) from None
+
+
+def _override_behind(err: dict[str, Any], text: str, overrides: dict[str, str]) -> str | None:
+    """The override that set the field an error is about (the field itself, a section it replaced,
+    or a key under a misspelt section); for errors of the whole config (cross-field checks), one
+    whose key the message names."""
+    path = ".".join(str(p) for p in err["loc"])
+    for key, item in overrides.items():
+        if path and (path == key or path.startswith(key + ".") or key.startswith(path + ".")):
+            return item
+    if not path:
+        return next((item for key, item in overrides.items() if key in text), None)
+    return None
 
 
 def _describe_error(err: dict[str, Any]) -> str:
@@ -471,45 +518,18 @@ def dump_config(config: Config, path: Path) -> None:
     path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
 
 
-def config_reference() -> str:
-    """Every field with its default, its allowed values and meaning, for `rlft config-help`.
-    Fields whose default depends on the method list the value each method uses."""
-    out: list[str] = []
-
-    def walk(model: type[BaseModel], prefix: str) -> None:
-        for name, field in model.model_fields.items():
-            sub = _section_type(field.annotation)
-            key = f"{prefix}{name}"
-            if sub is not None and sub is not RewardSpec:
-                out.append(f"\n[{key}]" + (f"  {field.description}" if field.description else ""))
-                walk(sub, key + ".")
-                continue
-            default = _default_text(key, field)
-            choices = _choices(field.annotation)
-            allowed = f"  (one of: {', '.join(map(repr, choices))})" if choices else ""
-            out.append(f"  {key} = {default}{allowed}  # {field.description or ''}")
-            if sub is RewardSpec:
-                walk(sub, key + "[].")
-
-    walk(Config, "")
-    return "\n".join(out).strip()
-
-
-def _default_text(key: str, field: Any) -> str:
-    if key == "training.learning_rate":
-        return "by method: " + ", ".join(f"{m} {v:g}" for m, v in METHOD_LEARNING_RATES.items())
-    section, _, name = key.partition(".")
-    if section == "algorithm" and name in _BASE_PRESET:
-        values = {m: {**_BASE_PRESET, **PRESETS[m]}[name] for m in PRESETS}
-        if len(set(map(repr, values.values()))) == 1:
-            return repr(next(iter(values.values())))
-        return "by method: " + ", ".join(f"{m} {v!r}" for m, v in values.items())
-    return "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
-
-
-def _choices(annotation: Any) -> list[Any]:
-    """The allowed values of a Literal field, or of an optional one (`Literal[...] | None`)."""
-    if getattr(annotation, "__origin__", None) is Literal:
-        return list(annotation.__args__)
-    args = [a for a in getattr(annotation, "__args__", ()) or () if a is not type(None)]
-    return _choices(args[0]) if len(args) == 1 else []
+def validate_flags(section: type[BaseModel], values: dict[str, Any], flags: dict[str, str], prefix: str) -> Any:
+    """A config section built from command-line flags, with the same checks as the config file;
+    each error names its flag (`flags`: field -> '--flag') and the field it stands for."""
+    try:
+        return section.model_validate(values)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            field = str(err["loc"][0]) if err["loc"] else ""
+            if field in flags:
+                lines.append(f"{flags[field]} {err.get('input')!r}: {err['msg'][0].lower()}{err['msg'][1:]} "
+                             f"({prefix}{field})")
+            else:
+                lines.append(_describe_error({**err, "loc": (prefix.rstrip("."), *err["loc"])}))
+        raise ConfigError("\n".join(lines)) from None

@@ -30,3 +30,8 @@ class ResumeError(RlftError):
 
 class TrainingHalted(RlftError):
     """Training stopped on purpose (non-finite guard, infra errors, zero steps left)."""
+
+
+class RewardError(RlftError):
+    """A reward function failed at run time: it raised, returned something that is not a reward,
+    or timed out too often. The message names the reward, the row and the fix."""

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from rlft.config import DataConfig
-from rlft.data.readers import Row, read_rows
+from rlft.data.readers import DEFAULT_MAX_ROW_BYTES, Row, read_rows
 from rlft.data.sft_examples import collate_sft, encode_sft
 from rlft.data.validate import RowError, check_messages, check_rows, require_field
 from rlft.models.template import Messages, as_messages, end_of_turn_ids
@@ -178,12 +178,12 @@ def pair_statistics(examples: list[PreferenceExample], source: str) -> dict[str,
 
 
 def read_pairs(source: str, split: str, tokenizer: Any, end_ids: list[int], max_length: int,
-               max_prompt_length: int | None, on_invalid: str, kind: str,
+               max_prompt_length: int | None, on_invalid: str, kind: str, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
                ) -> tuple[list[PreferenceExample], dict[str, float]]:
     """Read, validate (one report for every bad row) and encode a preference dataset; also its
     pair statistics."""
     encode = make_preference_encoder(tokenizer, end_ids, max_length, max_prompt_length)
-    examples = check_rows(read_rows(source, split), encode, source, kind, on_invalid)
+    examples = check_rows(read_rows(source, split, max_row_bytes), encode, source, kind, on_invalid)
     return examples, pair_statistics(examples, source)
 
 
@@ -192,10 +192,11 @@ def load_preference_splits(tokenizer: Any, data: DataConfig,
     """A run's train and eval pairs (`data.train`, `data.eval`), validated and encoded, and their
     pair statistics as `data/train/...` and `data/eval/...` (for the run's summary)."""
     args = (tokenizer, end_of_turn_ids(tokenizer), data.max_length, data.max_prompt_length, data.on_invalid)
-    train, stats = read_pairs(data.train, data.split, *args, kind="preference")
+    train, stats = read_pairs(data.train, data.split, *args, kind="preference", max_row_bytes=data.max_row_bytes)
     summary = {f"data/train/{k}": v for k, v in stats.items()}
     evals: list[PreferenceExample] = []
     if data.eval:
-        evals, eval_stats = read_pairs(data.eval, data.eval_split or data.split, *args, kind="preference eval")
+        evals, eval_stats = read_pairs(data.eval, data.eval_split or data.split, *args, kind="preference eval",
+                                       max_row_bytes=data.max_row_bytes)
         summary.update({f"data/eval/{k}": v for k, v in eval_stats.items()})
     return train, evals, summary

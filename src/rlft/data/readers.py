@@ -8,7 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlft.config import DataConfig
 from rlft.errors import DataError
+
+# data.max_row_bytes: callers that do not pass the setting still get the guard at its default
+DEFAULT_MAX_ROW_BYTES: int = DataConfig.model_fields["max_row_bytes"].default
 
 
 @dataclass
@@ -18,7 +22,16 @@ class Row:
     error: str | None = None  # parse error, reported by validation
 
 
-def read_rows(source: str, split: str = "train") -> list[Row]:
+def read_rows(source: str, split: str = "train", max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> list[Row]:
+    """The rows of a dataset; a row over `max_row_bytes` is an invalid row (reported by validation,
+    never parsed further: tokenizing a 50 MB line took minutes and gigabytes)."""
+    rows = _read(source, split, max_row_bytes)
+    if Path(source).suffix.lower() == ".jsonl":  # checked line by line, before parsing
+        return rows
+    return [_limit(row, max_row_bytes) for row in rows]
+
+
+def _read(source: str, split: str, max_row_bytes: int) -> list[Row]:
     if source.startswith("hf:"):
         return _read_hub(source[3:], split)
     path = Path(source)
@@ -29,7 +42,7 @@ def read_rows(source: str, split: str = "train") -> list[Row]:
         return _read_saved_dataset(path, split)
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        return _read_jsonl(path)
+        return _read_jsonl(path, max_row_bytes)
     if suffix == ".json":
         return _read_json(path)
     if suffix == ".parquet":
@@ -38,7 +51,30 @@ def read_rows(source: str, split: str = "train") -> list[Row]:
                     "dataset folder, or 'hf:NAME'")
 
 
-def _read_jsonl(path: Path) -> list[Row]:
+def _too_big(limit: int) -> str:
+    return f"row larger than data.max_row_bytes ({limit:,} bytes; raise it if rows this large are intended)"
+
+
+def _limit(row: Row, limit: int) -> Row:
+    """A row read whole (JSON list, Parquet, HF dataset) checked by the size of its text."""
+    if row.data is not None and _text_size(row.data) > limit:
+        return Row(row.where, None, _too_big(limit))
+    return row
+
+
+def _text_size(value: Any) -> int:
+    """Characters of text and bytes in a parsed row (nested lists and dicts included): what
+    tokenizing and templating it would cost, without serializing it."""
+    if isinstance(value, (str, bytes)):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_size(k) + _text_size(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return sum(_text_size(v) for v in value)
+    return 8
+
+
+def _read_jsonl(path: Path, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> list[Row]:
     rows = []
     try:
         # "\n" only: splitlines() also breaks at U+2028, U+2029 and U+0085, which JSON strings may
@@ -50,6 +86,10 @@ def _read_jsonl(path: Path) -> list[Row]:
         if not line.strip():
             continue
         where = f"{path}:{number}"
+        size = len(line) if line.isascii() else len(line.encode("utf-8"))
+        if size > max_row_bytes:  # before parsing
+            rows.append(Row(where, None, _too_big(max_row_bytes)))
+            continue
         try:
             value = json.loads(line)
         except json.JSONDecodeError as exc:

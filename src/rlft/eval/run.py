@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlft.config import EvalConfig, LoraConfig, ModelConfig, RewardSpec
-from rlft.data.readers import read_rows
+from rlft.config import Config, EvalConfig, LoraConfig, ModelConfig, RewardSpec, ScoringConfig
+from rlft.data.readers import DEFAULT_MAX_ROW_BYTES, read_rows
 from rlft.data.prompts import make_prompt_encoder
 from rlft.data.validate import check_rows
 from rlft.errors import RlftError
@@ -30,23 +30,26 @@ def resolve_model(target: str | Path) -> tuple[Path, Path | None]:
 
 def evaluate_model(target: str | Path, data: str, rewards: list[RewardSpec], cfg: EvalConfig, *,
                    split: str = "train", seed: int = 0, max_prompt_length: int = 4096, device: str = "auto",
-                   prefix: str = "eval/") -> EvalResult:
+                   prefix: str = "eval/", scoring: ScoringConfig | None = None,
+                   max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> EvalResult:
     model_dir, _ = resolve_model(target)
     policy = load_policy(ModelConfig(path=str(model_dir), device=device), LoraConfig())
-    scorer = RewardScorer(rewards) if rewards else None
+    sc = scoring or ScoringConfig()
+    scorer = RewardScorer(rewards, sc.max_workers, timeout_s=sc.timeout_s,
+                          max_consecutive_timeouts=sc.max_consecutive_timeouts,
+                          on_error=sc.on_reward_error) if rewards else None
     encode = make_prompt_encoder(policy.tokenizer, max_prompt_length, scorer.required_fields if scorer else ())
-    examples = check_rows(read_rows(data, split), encode, data, "eval prompt")
+    examples = check_rows(read_rows(data, split, max_row_bytes), encode, data, "eval prompt")
     engine = build_engine(policy, seed, batch_size=cfg.batch_size)
     return evaluate_prompts(engine, examples, cfg, scorer, prefix=prefix, seed=seed)
 
 
-def run_settings(run_dir: Path) -> tuple[list[RewardSpec], EvalConfig, int, int]:
-    """(rewards, eval section, seed, max_prompt_length) a run trained and evaluated with: what
-    `rlft eval RUN` uses unless told otherwise, so its numbers compare with the run's own."""
+def run_settings(run_dir: Path) -> Config:
+    """The config a run trained and evaluated with: its rewards, eval, scoring and data settings
+    are what `rlft eval RUN` uses unless told otherwise, so its numbers compare with the run's own."""
     from rlft.config import load_config
 
-    config = load_config(run_dir / "config.yaml")
-    return config.rewards, config.eval, config.seed, config.data.max_prompt_length
+    return load_config(run_dir / "config.yaml")
 
 
 def save_run_eval(run_dir: Path, data: str, result: EvalResult, settings: dict[str, Any]) -> Path:

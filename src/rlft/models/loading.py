@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,8 @@ import torch
 
 from rlft.config import LoraConfig, ModelConfig
 from rlft.errors import RlftError
+from rlft.models.folder_checks import (check_causal_lm, check_lora_targets, check_model_folder, check_tokenizer,
+                                       check_tokenizer_folder)
 from rlft.models.template import check_template, set_chat_template, write_template_record
 
 log = logging.getLogger(__name__)
@@ -52,14 +55,17 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    source = cfg.tokenizer_path or cfg.path
+    given = cfg.tokenizer_path or cfg.path
+    check_tokenizer_folder(given, "model.tokenizer_path" if cfg.tokenizer_path else "model.path")
+    source = os.path.expanduser(given)
     kwargs = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as exc:
-        raise RlftError(f"could not load the tokenizer from {source!r}: {exc}\n"
+        raise RlftError(f"could not load the tokenizer from {given!r}: {exc}\n"
                         "Fix: point model.path (or model.tokenizer_path) at a folder with tokenizer files, "
                         "or a hub id reachable from this machine") from None
+    check_tokenizer(tokenizer, given)
     if _rewrites_tokenizer_json(tokenizer, Path(source)):
         log.info("%s tokenizes differently from %s/tokenizer.json; using tokenizer.json as is",
                  type(tokenizer).__name__, source)
@@ -103,19 +109,27 @@ def load_causal_lm(cfg: ModelConfig, device: torch.device) -> Any:
                                   dtype=resolve_dtype(cfg.dtype, device))
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
+    check_model_folder(cfg.path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(cfg.path, **kwargs)
-    except (OSError, ValueError) as exc:
-        raise RlftError(f"could not load a causal LM from {cfg.path!r}: {exc}\n"
+        model, info = AutoModelForCausalLM.from_pretrained(os.path.expanduser(cfg.path), output_loading_info=True,
+                                                           **kwargs)
+    except RlftError:
+        raise
+    except Exception as exc:  # noqa: BLE001  (safetensors, torch.load and config errors have many types)
+        raise RlftError(f"could not load a causal LM from {cfg.path!r}: {type(exc).__name__}: {exc}\n"
                         "Fix: model.path must be a local checkpoint folder or a reachable hub id") from None
-    return model.to(device)
+    model = model.to(device)
+    check_causal_lm(model, info, cfg.path)
+    return model
 
 
 def load_policy(cfg: ModelConfig, lora: LoraConfig) -> LoadedModel:
     device = resolve_device(cfg.device)
+    check_model_folder(cfg.path)  # before the tokenizer: a wrong folder is named as such, not as a tokenizer problem
     tokenizer = load_tokenizer(cfg)
     check_template(cfg.path, tokenizer, cfg.allow_template_change)
     model = load_causal_lm(cfg, device)
+    check_tokenizer(tokenizer, cfg.tokenizer_path or cfg.path, model.get_input_embeddings().num_embeddings)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -146,6 +160,7 @@ def apply_lora(model: Any, lora: LoraConfig, task_type: str = "CAUSAL_LM") -> An
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
+    check_lora_targets(model, lora.target_modules)
     peft_cfg = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                               target_modules=lora.target_modules, task_type=task_type)
     try:
@@ -166,6 +181,7 @@ def load_reward_model(cfg: ModelConfig, lora: LoraConfig) -> LoadedModel:
     from transformers import AutoModelForSequenceClassification
 
     device = resolve_device(cfg.device)
+    check_model_folder(cfg.path)
     tokenizer = load_tokenizer(cfg)
     check_template(cfg.path, tokenizer, cfg.allow_template_change)
     kwargs: dict[str, Any] = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
@@ -173,8 +189,8 @@ def load_reward_model(cfg: ModelConfig, lora: LoraConfig) -> LoadedModel:
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(cfg.path, **kwargs)
-    except (OSError, ValueError, RuntimeError) as exc:
+        model = AutoModelForSequenceClassification.from_pretrained(os.path.expanduser(cfg.path), **kwargs)
+    except Exception as exc:  # noqa: BLE001  (safetensors, torch.load and config errors have many types)
         raise RlftError(f"could not load {cfg.path!r} as a one-logit sequence classifier: {exc}\n"
                         "Fix: model.path must be a causal-LM checkpoint (a score head is added) or a "
                         "reward model with one label") from None

@@ -11,7 +11,8 @@ from rlft.errors import ConfigError
 
 _STEP = ("step", "lr", "grad_norm", "loss", "nonfinite_skipped")
 _ONLINE = (
-    "reward/mean", "reward/std", "reward/infra_error_rate", "completion/length_mean", "completion/length_max",
+    "reward/mean", "reward/std", "reward/infra_error_rate", "reward/timeouts", "reward/errors",
+    "completion/length_mean", "completion/length_max",
     "completion/truncation_rate", "completion/tokens", "completion/repetition_rate", "beta", "entropy",
     "adv/zero_std_group_frac", "adv/mean", "adv/std", "adv/max", "adv/min", "clip/low_frac", "clip/high_frac",
     "clip/dual_frac", "ratio/mean", "ratio/max", "ratio/min", "policy/approx_kl", "update/optimizer_steps",

@@ -20,22 +20,37 @@ Two optional attributes on a reward function change how it is called or combined
 - `fn.is_guard = True`: a guard (e.g. a safety filter) returns 0.0 when the sample is fine and
   the floor value when it fires; a firing guard replaces the whole total (unsafe output gets
   the minimum reward, whatever else it earned: no correctness credit can buy it back).
+
+Reward code runs under guard (see `calls`): each call has a time limit (`scoring.timeout_s`; a
+timed-out call is unverifiable, counted and warned about, and a reward that times out
+`scoring.max_consecutive_timeouts` times in a row stops the run); a call that raises or returns
+something that is not a reward stops the run with one message naming the reward, the row and the
+user's own frames, or (`scoring.on_reward_error: unverifiable`) counts as unverifiable. Each call
+gets its own copy of the row, so a reward that edits it in place cannot change what later calls
+see; what rewards print is capped per scoring call.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
+import copy
+import functools
 import inspect
+import logging
 import math
-import sys
-from concurrent.futures import ThreadPoolExecutor
+import os
+import pickle
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from rlft.config import RewardSpec
-from rlft.errors import ConfigError
+from rlft.errors import ConfigError, RewardError
+from rlft.rewards.calls import CappedOutput, Outcome, call_all, routed_output
+from rlft.rewards.user_code import (ALLOWED_VALUES, SCORING_FIELDS, as_reward_value, check_user_function,
+                                    describe_exception, indent, load_user_function, wrap_user_function)
+
+log = logging.getLogger(__name__)
+__all__ = ["BUILTIN_REWARDS", "SCORING_FIELDS", "RewardFn", "RewardScorer", "Scores", "build_reward",
+           "load_user_function", "register_reward", "score_completions", "scoring_row"]
 
 RewardValue = float | None | dict[str, float | None]
 
@@ -58,45 +73,14 @@ def register_reward(name: str) -> Callable[[Callable[..., RewardFn]], Callable[.
     return wrap
 
 
-def load_user_function(ref: str, what: str = "reward") -> Callable[..., Any]:
-    """Import `package.module:function` or `path/to/file.py:function`."""
-    target, sep, attr = ref.rpartition(":")
-    if not sep or not target or not attr:
-        raise ConfigError(f"{what} {ref!r}: write it as 'module:function' or 'path/file.py:function'")
-    if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise ConfigError(f"{what} {ref!r}: file not found: {path}")
-        name = f"rlft_user_{abs(hash(str(path.resolve())))}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except Exception as exc:
-            raise ConfigError(f"{what} {ref!r}: importing {path} failed: {type(exc).__name__}: {exc}") from None
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as exc:
-            raise ConfigError(f"{what} {ref!r}: cannot import module {target!r}: {exc}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ConfigError(f"{what} {ref!r}: {target} has no function {attr!r}")
-    return fn
-
-
 def build_reward(spec: RewardSpec) -> tuple[str, RewardFn]:
     """Resolve a config entry to (component name, function)."""
     from rlft import rewards as _builtins  # noqa: F401  (registers the built-ins)
 
     if ":" in spec.fn:
         fn = load_user_function(spec.fn)
-        needs = _fields_without_default(fn, spec.args)
-        if spec.args or needs:  # our own wrapper: the user's function object is never annotated
-            fn = _bind(fn, spec.args)
-            fn.required_fields = needs
-        return spec.name or spec.fn.rpartition(":")[2], fn
+        return spec.name or spec.fn.rpartition(":")[2], wrap_user_function(fn, spec.args,
+                                                                          check_user_function(fn, spec.fn, spec.args))
     factory = BUILTIN_REWARDS.get(spec.fn)
     if factory is None:
         import difflib
@@ -109,7 +93,11 @@ def build_reward(spec: RewardSpec) -> tuple[str, RewardFn]:
         inspect.signature(factory).bind(**spec.args)
     except TypeError as exc:
         raise ConfigError(f"rewards: {spec.fn}: bad args {spec.args}: {exc}") from None
-    return spec.name or spec.fn, factory(**spec.args)
+    try:
+        fn = factory(**spec.args)
+    except (ValueError, TypeError) as exc:  # a built-in refusing an argument's value (e.g. regex mode)
+        raise ConfigError(f"rewards: {spec.fn}: {exc}") from None
+    return spec.name or spec.fn, fn
 
 
 def scoring_row(fields: dict[str, Any], finish_reason: str, completion_tokens: int, max_new_tokens: int,
@@ -133,30 +121,8 @@ def score_completions(scorer: "RewardScorer", examples: list[Any], completions: 
     conversation and rendered prompt; a Completion: text, finish reason, token count)."""
     rows = [scoring_row(e.fields, c.finish_reason, len(c.completion_ids), max_new_tokens, e.messages, e.rendered)
             for e, c in zip(examples, completions)]
-    return scorer.score([e.prompt_text for e in examples], [c.text for c in completions], rows)
-
-
-# added to every row by scoring_row, so never required from the data
-SCORING_FIELDS = ("finish_reason", "completion_tokens", "max_new_tokens", "messages", "rendered_prompt")
-
-
-def _fields_without_default(fn: Callable[..., Any], bound: dict[str, Any]) -> tuple[str, ...]:
-    """Row fields a user function cannot be called without: its named parameters after
-    (prompt, completion) that have no default and are not given in the reward's args."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # a builtin or C callable: nothing to learn
-        return ()
-    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    return tuple(p.name for p in named[2:]
-                 if p.default is p.empty and p.name not in bound and p.name not in SCORING_FIELDS)
-
-
-def _bind(fn: Callable[..., Any], args: dict[str, Any]) -> RewardFn:
-    def bound(prompt: str, completion: str, **row: Any) -> RewardValue:
-        return fn(prompt, completion, **{**row, **args})
-
-    return bound
+    return scorer.score([e.prompt_text for e in examples], [c.text for c in completions], rows,
+                        [e.where for e in examples])
 
 
 @dataclass
@@ -189,57 +155,206 @@ def _std(xs: list[float]) -> float:
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
 
 
-class RewardScorer:
-    """Weighted composition of reward components, scored concurrently with a bounded pool."""
+# Metric names the scorer writes under reward/: a component of the same name would collide.
+RESERVED_NAMES = ("mean", "std", "unverifiable_frac", "infra_error_rate", "timeouts", "errors")
 
-    def __init__(self, specs: list[RewardSpec], max_workers: int = 8):
+
+@dataclass
+class _Tally:
+    """What one reward did since the scorer's last report (one step of training)."""
+
+    calls: int = 0
+    timeouts: int = 0
+    first_timeout: str = ""
+    errors: int = 0
+    first_error: str = ""
+    output_dropped: int = 0
+    cwd_changed_to: str = ""
+
+
+class RewardScorer:
+    """Weighted composition of reward components, each call run under a time limit on a bounded
+    number of threads (see the module docstring for what happens when reward code misbehaves).
+
+    `should_stop()` is polled while calls run (a Ctrl-C: ScoringInterrupted). `warn` receives
+    one line per misbehaving reward after each `score()`; with warn=None the lines wait for
+    `take_report()` (the online loop prints them once per step, with the step's counts).
+    """
+
+    def __init__(self, specs: list[RewardSpec], max_workers: int = 8, *, timeout_s: float = 60.0,
+                 max_consecutive_timeouts: int | None = 8, on_error: str = "stop",
+                 should_stop: Callable[[], bool] | None = None,
+                 warn: Callable[[str], None] | None = log.warning):
         built = [build_reward(s) for s in specs]
         names = [n for n, _ in built]
         dupes = {n for n in names if names.count(n) > 1}
         if dupes:
             raise ConfigError(f"rewards: component names must be unique; give 'name:' to {sorted(dupes)}")
+        reserved = sorted(set(names) & set(RESERVED_NAMES))
+        if reserved:
+            raise ConfigError(f"rewards: component name(s) {reserved} would collide with the metrics "
+                              f"reward/{reserved[0]}...; give them another 'name:'")
+        _check_code_time_limit(specs, timeout_s, max_workers)
         self.components = [(name, fn, spec.weight) for (name, fn), spec in zip(built, specs)]
-        self.max_workers = max_workers
+        self.labels = {name: f"{name!r}" + (f" ({spec.fn})" if spec.fn != name else "")
+                       for name, spec in zip(names, specs)}
+        self.max_workers, self.timeout_s = max_workers, timeout_s
+        self.max_consecutive_timeouts, self.on_error = max_consecutive_timeouts, on_error
+        self.should_stop, self.warn = should_stop, warn
+        self._tally: dict[str, _Tally] = {}
+        self._streak: dict[str, int] = {}  # consecutive timed-out calls per reward, across steps
         # every prompt row must carry these (checked with the data, before training starts)
         self.required_fields = tuple(dict.fromkeys(
             f for _, fn, _ in self.components for f in getattr(fn, "required_fields", ())))
 
-    def score(self, prompts: list[str], completions: list[str], rows: list[dict[str, Any]]) -> Scores:
+    def score(self, prompts: list[str], completions: list[str], rows: list[dict[str, Any]],
+              wheres: list[str] | None = None) -> Scores:
+        """Score sample i (prompts[i], completions[i], rows[i]); `wheres[i]` names its data row
+        (`file:line`) in messages."""
         n = len(completions)
+        wheres = wheres or [f"sample {i}" for i in range(n)]
         components: dict[str, list[float | None]] = {}
         totals: list[float | None] = [0.0] * n
         guards: list[float | None] = [None] * n
-        for name, fn, weight in self.components:
-            values = self._run(fn, prompts, completions, rows)
-            if getattr(fn, "is_guard", False):
-                for i, v in enumerate(values):
-                    if v:  # fired (non-zero); None means the guard itself could not decide
-                        guards[i] = float(v)
-            parts = [_split(name, v) for v in values]
-            comp_values = [p[0] for p in parts]
-            components[name] = comp_values
-            for key in sorted({k for _, sub in parts for k in sub}):
-                components[key] = [sub.get(key) for _, sub in parts]
-            if getattr(fn, "is_guard", False):
-                continue
-            for i, value in enumerate(comp_values):
-                if totals[i] is None or weight == 0:
+        with routed_output():
+            for name, fn, weight in self.components:
+                values = self._run(name, fn, prompts, completions, rows, wheres)
+                if getattr(fn, "is_guard", False):
+                    for i, v in enumerate(values):
+                        if v:  # fired (non-zero); None means the guard itself could not decide
+                            guards[i] = v if isinstance(v, float) else sum(p or 0.0 for p in v.values())
+                parts = [_split(name, v) for v in values]
+                comp_values = [p[0] for p in parts]
+                components[name] = comp_values
+                for key in sorted({k for _, sub in parts for k in sub}):
+                    components[key] = [sub.get(key) for _, sub in parts]
+                if getattr(fn, "is_guard", False):
                     continue
-                totals[i] = None if value is None else totals[i] + weight * value
+                for i, value in enumerate(comp_values):
+                    if totals[i] is None or weight == 0:
+                        continue
+                    totals[i] = None if value is None else totals[i] + weight * value
         totals = [g if g is not None else t for g, t in zip(guards, totals)]
+        if self.warn is not None:
+            for line in self.take_report()[1]:
+                self.warn(line)
         return Scores(totals, components)
 
-    def _run(self, fn: RewardFn, prompts, completions, rows) -> list[RewardValue]:
-        def one(i: int) -> RewardValue:
-            return fn(prompts[i], completions[i], **_row_kwargs(rows[i]))
+    def take_report(self) -> tuple[dict[str, float], list[str]]:
+        """Since the last report: `reward/timeouts` and `reward/errors` (calls counted as
+        unverifiable), and one warning line per reward that timed out, failed, printed more than
+        is shown, or changed the working directory."""
+        tallies, self._tally = self._tally, {}
+        metrics = {"reward/timeouts": float(sum(t.timeouts for t in tallies.values())),
+                   "reward/errors": float(sum(t.errors for t in tallies.values()))}
+        lines = []
+        for name, t in tallies.items():
+            label = f"reward {self._label(name)}"
+            if t.timeouts:
+                lines.append(f"{label} timed out on {t.timeouts} of {t.calls} calls (scoring.timeout_s="
+                             f"{self.timeout_s:g}; first on {t.first_timeout}); counted as unverifiable")
+            if t.errors:
+                lines.append(f"{label} failed on {t.errors} of {t.calls} calls (first on {t.first_error}); counted "
+                             "as unverifiable (scoring.on_reward_error=unverifiable)")
+            if t.output_dropped:
+                lines.append(f"{label} printed {t.output_dropped:,} more characters than the "
+                             f"{CappedOutput().limit:,} shown per scoring call; the rest was not shown")
+            if t.cwd_changed_to:
+                lines.append(f"{label} changed the working directory (to {t.cwd_changed_to}); rlft changed it "
+                             "back. Rewards run inside the trainer: use absolute paths instead of os.chdir")
+        return metrics, lines
 
-        batch = getattr(fn, "batch", None)
-        if batch is not None:
-            return list(batch(prompts, completions, rows))
-        if self.max_workers <= 1 or len(completions) <= 1:
-            return [one(i) for i in range(len(completions))]
-        with ThreadPoolExecutor(max_workers=min(self.max_workers, len(completions))) as pool:
-            return list(pool.map(one, range(len(completions))))
+    def _label(self, name: str) -> str:
+        return self.labels.get(name, repr(name))
+
+    # -- one component ------------------------------------------------------------------------
+    def _run(self, name: str, fn: RewardFn, prompts, completions, rows, wheres) -> list[RewardValue]:
+        tally = self._tally.setdefault(name, _Tally())
+        output, cwd, n = CappedOutput(), os.getcwd(), len(completions)
+        values: list[RewardValue] = [None] * n
+
+        def settle(i: int, out: Outcome) -> None:
+            values[i] = self._judge(name, fn, out, wheres[i])
+
+        try:
+            batch = getattr(fn, "batch", None)
+            if batch is not None:  # one call for all samples, with all of their time
+                [out] = call_all([lambda: batch(prompts, completions, rows)], 1, self.timeout_s * max(n, 1),
+                                 self.should_stop, output=output)
+                return self._judge_batch(name, fn, out, wheres)
+            thunks = [functools.partial(_call_one, fn, prompts[i], completions[i], rows[i]) for i in range(n)]
+            call_all(thunks, self.max_workers, self.timeout_s, self.should_stop, settle, output)
+            return values
+        finally:
+            tally.output_dropped += output.dropped
+            if os.getcwd() != cwd:
+                tally.cwd_changed_to = os.getcwd()
+                os.chdir(cwd)
+
+    def _judge_batch(self, name: str, fn: RewardFn, out: Outcome, wheres: list[str]) -> list[RewardValue]:
+        if out.error is not None or out.timed_out:
+            return [self._judge(name, fn, out, w) for w in wheres]
+        values = out.value
+        if not isinstance(values, (list, tuple)) or len(values) != len(wheres):
+            got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
+            self._fail(name, f"'s batch() returned {got} for {len(wheres)} rows (first: {wheres[0]}); it must "
+                             "return one value per row", force_stop=True)
+        return [self._judge(name, fn, Outcome(value=v), w) for v, w in zip(values, wheres)]
+
+    def _judge(self, name: str, fn: RewardFn, out: Outcome, where: str) -> RewardValue:
+        """The call's value, or None (unverifiable) for a timed-out call; a failed call stops the
+        run or counts as unverifiable, as scoring.on_reward_error says."""
+        tally = self._tally[name]
+        tally.calls += 1
+        if out.timed_out:
+            tally.timeouts += 1
+            tally.first_timeout = tally.first_timeout or where
+            self._streak[name] = self._streak.get(name, 0) + 1
+            limit = self.max_consecutive_timeouts
+            if limit is not None and self._streak[name] >= limit:
+                raise RewardError(
+                    f"reward {self._label(name)} timed out on {self._streak[name]} calls in a row (scoring.timeout_s="
+                    f"{self.timeout_s:g}; the last on {where}), scoring.max_consecutive_timeouts={limit}: it hangs "
+                    "or is far too slow.\nFix: run it by hand on that row to see where it waits, or raise "
+                    "scoring.timeout_s if it is only slow")
+            return None
+        self._streak[name] = 0
+        if out.error is not None:
+            detail = describe_exception(out.error, getattr(fn, "user_file", None))
+            self._fail(name, f" raised on {where}:\n{indent(detail)}", short=f"{where}: {detail.splitlines()[0]}")
+            return None
+        value, problem = as_reward_value(out.value)
+        if problem is None:
+            return value
+        returned, why = problem
+        why = f": {why}" if why else ""
+        self._fail(name, f" returned {returned} for {where}{why}.\nA reward returns {ALLOWED_VALUES}",
+                   short=f"{where}: returned {returned}")
+        return None
+
+    def _fail(self, name: str, problem: str, short: str = "", force_stop: bool = False) -> None:
+        if self.on_error == "stop" or force_stop:
+            raise RewardError(f"reward {self._label(name)}{problem}\nFix: correct the reward for this row, or set "
+                              "scoring.on_reward_error=unverifiable to count the rows it fails on as unverifiable "
+                              "(None) and go on")
+        tally = self._tally[name]
+        tally.errors += 1
+        tally.first_error = tally.first_error or short
+
+
+def _call_one(fn: RewardFn, prompt: str, completion: str, row: dict[str, Any]) -> RewardValue:
+    return fn(prompt, completion, **_private_copy(_row_kwargs(row)))
+
+
+def _private_copy(row: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the row down to its innermost lists: the same row object serves every sample of a
+    prompt, every reward and every epoch, so a reward that edits `messages` or `tests` in place
+    would change what all later calls see. (A pickle round trip copies JSON-like data several
+    times faster than deepcopy.)"""
+    try:
+        return pickle.loads(pickle.dumps(row, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception:  # noqa: BLE001  (an unpicklable field: the slower general copy)
+        return copy.deepcopy(row)
 
 
 def _row_kwargs(row: dict[str, Any]) -> dict[str, Any]:
@@ -250,13 +365,31 @@ def _row_kwargs(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _split(name: str, value: RewardValue) -> tuple[float | None, dict[str, float | None]]:
+    """A checked value (see user_code.as_reward_value) as (component value, named parts)."""
     if isinstance(value, dict):
-        parts = {f"{name}/{k}": (None if v is None else float(v)) for k, v in value.items()}
+        parts = {f"{name}/{k}": v for k, v in value.items()}
         total = None if any(v is None for v in parts.values()) else sum(parts.values())
         return total, parts
-    if value is None:
-        return None, {}
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"reward {name!r} returned a non-finite value {value}; return None for 'unverifiable'")
     return value, {}
+
+
+def _check_code_time_limit(specs: list[RewardSpec], timeout_s: float, max_workers: int) -> None:
+    """The `code` reward bounds its own program (its `timeout` plus the sandbox's start-up grace)
+    and waits for a free sandbox when more calls run than sandboxes may (MAX_CONCURRENT): the
+    per-call time limit must cover both, or a slow but legitimate program would be cut off as
+    'unverifiable' instead of scored by the sandbox as a timeout."""
+    for i, spec in enumerate(specs):
+        if spec.fn != "code":
+            continue
+        from rlft.rewards.code.sandbox import MAX_CONCURRENT, STARTUP_GRACE_S
+
+        default = inspect.signature(BUILTIN_REWARDS["code"]).parameters["timeout"].default
+        program = float(spec.args.get("timeout", default))
+        waves = math.ceil(max_workers / MAX_CONCURRENT)
+        needed = waves * (program + STARTUP_GRACE_S)
+        if timeout_s < needed:
+            raise ConfigError(
+                f"scoring.timeout_s={timeout_s:g} is shorter than rewards[{i}] (code) may take: its program timeout "
+                f"{program:g}s + {STARTUP_GRACE_S:g}s sandbox start-up, times {waves} for waiting on a free sandbox "
+                f"({max_workers} workers, {MAX_CONCURRENT} sandboxes at once) = {needed:g}s.\n"
+                f"Fix: set scoring.timeout_s={math.ceil(needed)} or more, or lower the code reward's timeout")

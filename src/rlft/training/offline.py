@@ -18,7 +18,7 @@ from rlft.config import Config
 from rlft.data.order import BatchCursor, epoch_order
 from rlft.models.loading import LoadedModel, load_policy
 from rlft.monitor.stats import MetricAccumulator
-from rlft.training.session import TrainingSession, open_run, session_for
+from rlft.training.session import TrainingSession, evaluation, open_run, session_for
 
 
 class OfflineObjective(Protocol):
@@ -48,7 +48,7 @@ def make_objective(config: Config) -> OfflineObjective:
     if config.method == "sft":
         from rlft.training.sft_objective import SftObjective
 
-        return SftObjective(config.data, config.eval, config.rewards, config.seed)
+        return SftObjective(config.data, config.eval, config.rewards, config.seed, config.scoring)
     if config.method == "dpo":
         from rlft.training.dpo_objective import DpoObjective
 
@@ -105,18 +105,24 @@ def _train(config: Config, objective: OfflineObjective, session: TrainingSession
                 if metrics is None:  # skipped: non-finite loss or gradient
                     continue
                 metrics["epoch"] = epoch + (b + 1) / steps_per_epoch
+                failed = None
                 if evals and session.eval_due():
-                    eval_metrics = session.evaluate(lambda: objective.evaluate(policy, evals))
+                    eval_metrics, failed = evaluation(lambda: objective.evaluate(policy, evals))
                     metrics.update(eval_metrics)
                     model.train()
                 session.log(metrics)
+                if failed is not None:
+                    session.fail_evaluation(failed)
                 if session.checkpoint_due():
                     session.save_checkpoint()
         if evals and not session.stopping and session.step < total:  # ended early (skipped steps)
-            eval_metrics = session.evaluate(lambda: objective.evaluate(policy, evals))
+            eval_metrics, failed = evaluation(lambda: objective.evaluate(policy, evals))
             session.log_eval(eval_metrics)
+            if failed is not None:
+                session.fail_evaluation(failed)
     finally:
         session.close_display()
+        session._restore_signal_handlers()  # also when an error ends the run (a notebook keeps its Ctrl-C)
     train_metrics = _last_train_metrics(session)
     return session.finish({**train_metrics, **eval_metrics})
 

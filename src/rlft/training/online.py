@@ -8,6 +8,7 @@ one loop. Each step reads top to bottom in `online_step`.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from typing import Any
@@ -21,17 +22,19 @@ from rlft.data.order import PromptSampler
 from rlft.data.prompts import PromptExample, make_prompt_encoder
 from rlft.data.readers import read_rows
 from rlft.data.validate import check_rows
-from rlft.errors import TrainingHalted
+from rlft.errors import RewardError, TrainingHalted
 from rlft.eval.generation import evaluate_prompts
 from rlft.models.loading import Reference, disable_dropout, load_policy
 from rlft.monitor.checks import infra_error_message
+from rlft.rewards.calls import ScoringInterrupted
 from rlft.rewards.scoring import RewardScorer
 from rlft.rollout import rollout_engine, sampling_params
 from rlft.rollout.batch import RolloutBatch
 from rlft.training.collect import Rollout, collect_rollout
 from rlft.training.critic import Critic, build_critic
 from rlft.training.rl_update import UpdateSettings, policy_update, reference_logprobs, token_rewards
-from rlft.training.session import TrainingSession, open_run, session_for
+from rlft.training import checkpoint as ckpt
+from rlft.training.session import TrainingSession, evaluation, open_run, session_for
 
 PROGRESS_KEYS = ["reward/mean", "kl", "entropy", "completion/length_mean", "clip/high_frac", "eval/accuracy"]
 
@@ -40,7 +43,7 @@ def load_prompts(data: DataConfig, tokenizer: Any, source: str, split: str, kind
                  required: tuple[str, ...] = ()) -> list[PromptExample]:
     """Prompt rows, each checked (and `required` fields present: what the rewards read)."""
     encode = make_prompt_encoder(tokenizer, data.max_prompt_length, required)
-    return check_rows(read_rows(source, split), encode, source, kind, data.on_invalid)
+    return check_rows(read_rows(source, split, data.max_row_bytes), encode, source, kind, data.on_invalid)
 
 
 def run_online(config: Config) -> dict[str, Any]:
@@ -55,8 +58,10 @@ def run_online(config: Config) -> dict[str, Any]:
 
 
 def _train(config: Config, session: TrainingSession) -> dict[str, Any]:
-    a, d, policy = config.algorithm, config.data, session.policy
-    scorer = RewardScorer(config.rewards, config.scoring.max_workers)
+    a, d, sc, policy = config.algorithm, config.data, config.scoring, session.policy
+    scorer = RewardScorer(config.rewards, sc.max_workers, timeout_s=sc.timeout_s,
+                          max_consecutive_timeouts=sc.max_consecutive_timeouts, on_error=sc.on_reward_error,
+                          should_stop=lambda: session.stop_signal is not None, warn=None)
     needs = scorer.required_fields
     prompts = load_prompts(d, policy.tokenizer, d.train, d.split, "prompt", needs)
     evals = load_prompts(d, policy.tokenizer, d.eval, d.eval_split or d.split, "eval prompt", needs) if d.eval else []
@@ -81,9 +86,17 @@ def _train(config: Config, session: TrainingSession) -> dict[str, Any]:
     try:
         while session.step < total and not session.stopping:
             start = time.perf_counter()
-            rollout = collect_rollout(engine, sampler, prompts, scorer, params, config.rollout.prompts_per_step,
-                                      a.dynamic_sampling, a.dynamic_sampling_max_rounds)
-            _check_infra(session, rollout, config.scoring.max_infra_error_rate)
+            step_start = _StepStart({"sampler": sampler, "engine": engine})
+            try:
+                rollout = collect_rollout(engine, sampler, prompts, scorer, params, config.rollout.prompts_per_step,
+                                          a.dynamic_sampling, a.dynamic_sampling_max_rounds)
+            except ScoringInterrupted:  # Ctrl-C while rewards ran: finish() saves the last completed step
+                step_start.restore()
+                break
+            except RewardError as exc:
+                _halt(session, step_start, str(exc))
+            rollout.metrics.update(_scoring_report(session, scorer))
+            _check_infra(session, rollout, sc.max_infra_error_rate, step_start)
             metrics = online_step(session, rollout, reference, kl_ctl, settings, update_gen, critic)
             if metrics is None:  # every update was skipped (non-finite): draw a new batch
                 continue
@@ -92,17 +105,20 @@ def _train(config: Config, session: TrainingSession) -> dict[str, Any]:
             metrics.update(session.monitor.completion_metrics([c.text for c in rollout.completions]))
             metrics["time/step"] = time.perf_counter() - start
             metrics["tokens_per_s"] = metrics["completion/tokens"] / metrics["time/step"]
+            failed = None
             if evals and session.eval_due():
-                eval_metrics = session.evaluate(
-                    lambda: evaluate_prompts(engine, evals, config.eval, scorer, seed=config.seed).metrics)
+                eval_metrics, failed = _evaluate(session, engine, evals, config, scorer)
                 metrics.update(eval_metrics)
             _log_samples(session, rollout, config.logging.num_samples, config.logging.sample_every)
             session.log(metrics)
             last = metrics
+            if failed is not None:  # the step itself is complete: it is what the checkpoint holds
+                session.fail_evaluation(failed)
             if session.checkpoint_due():
                 session.save_checkpoint()
     finally:
         session.close_display()
+        session._restore_signal_handlers()  # also when an error ends the run (a notebook keeps its Ctrl-C)
     train_summary = {f"train/{k}": v for k, v in last.items() if k in ("reward/mean", "kl", "entropy")}
     summary = session.finish({**train_summary, **eval_metrics})
     if critic is not None and summary["status"] == "completed":
@@ -171,12 +187,58 @@ def _rollout_metrics(session: TrainingSession, rollout: Rollout, beta: float) ->
     return metrics
 
 
-def _check_infra(session: TrainingSession, rollout: Rollout, limit: float) -> None:
+def _check_infra(session: TrainingSession, rollout: Rollout, limit: float, step_start: "_StepStart") -> None:
     total = rollout.rewards
     rate = sum(r is None for r in total) / max(len(total), 1)
     if rate > limit:
+        step_start.restore()
         path = session.save_checkpoint() if session.step > 0 else None
         raise TrainingHalted(infra_error_message(session.step + 1, rate, limit, path))
+
+
+def _scoring_report(session: TrainingSession, scorer: RewardScorer, prefix: str = "") -> dict[str, float]:
+    """The step's reward/timeouts and reward/errors; one console line per reward that misbehaved."""
+    metrics, warnings = scorer.take_report()
+    for line in warnings:
+        session.print(f"[yellow]warning: {prefix}{escape(line)}")
+    return metrics
+
+
+def _evaluate(session: TrainingSession, engine: Any, evals: list[PromptExample], config: Config,
+              scorer: RewardScorer) -> tuple[dict[str, float], str | None]:
+    """Held-out metrics after a step, and why they failed, if they did. A Ctrl-C during the eval's
+    scoring ends it without metrics (the loop then stops, the step is kept)."""
+    metrics, failed = evaluation(lambda: evaluate_prompts(engine, evals, config.eval, scorer, seed=config.seed).metrics)
+    if failed is None:
+        _scoring_report(session, scorer, prefix="eval: ")
+    return metrics, failed
+
+
+def _halt(session: TrainingSession, step_start: "_StepStart | None", message: str) -> None:
+    """Stop the run on a reward failure, saving the last completed step (its state as it was when
+    that step ended: the abandoned step's rollout is undone first)."""
+    if step_start is not None:
+        step_start.restore()
+    path = session.save_checkpoint() if session.step > 0 else None
+    saved = (f"\nThe last completed step ({session.step}) is saved in {path}; after the fix, continue with: "
+             f"rlft train --resume {session.run.root}") if path else ""
+    raise TrainingHalted(f"stopped: {message}{saved}")
+
+
+class _StepStart:
+    """The state parts a rollout changes (data order, the engine's sampler) and the global RNGs, as
+    they were when a step began: restored when the step is abandoned, so the checkpoint saved
+    then equals the one the last completed step would have saved."""
+
+    def __init__(self, parts: dict[str, Any]):
+        self.parts = parts
+        self.states = {name: copy.deepcopy(part.state_dict()) for name, part in parts.items()}
+        self.rng = ckpt.rng_state()
+
+    def restore(self) -> None:
+        for name, part in self.parts.items():
+            part.load_state_dict(self.states[name])
+        ckpt.set_rng_state(self.rng)
 
 
 def _log_samples(session: TrainingSession, rollout: Rollout, num_samples: int, every: int) -> None:

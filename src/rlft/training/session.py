@@ -31,6 +31,7 @@ from rlft.monitor.console import ProgressDisplay, console
 from rlft.monitor.loggers import LoggerGroup, build_loggers
 from rlft.monitor.monitor import Monitor
 from rlft.monitor.rundir import RunDir
+from rlft.rewards.calls import ScoringInterrupted
 from rlft.training import checkpoint as ckpt
 from rlft.training.optim import build_optimizer, build_scheduler, clip_gradients
 
@@ -74,6 +75,20 @@ def open_run(config: Config) -> Iterator[RunDir]:
         yield run
     finally:
         run.release()
+
+
+def evaluation(evaluate: Callable[[], dict[str, float]]) -> tuple[dict[str, float], str | None]:
+    """(metrics, None), or ({}, why it failed): an evaluation's failure must not cost the step it
+    follows (see TrainingSession.fail_evaluation). A Ctrl-C while its rewards run ends it quietly."""
+    try:
+        return evaluate(), None
+    except ScoringInterrupted:
+        return {}, None
+    except RlftError as exc:
+        return {}, str(exc)
+    except Exception as exc:  # a bug or an unexpected input: keep its traceback for the log
+        log.error("the evaluation failed", exc_info=True)
+        return {}, f"{type(exc).__name__}: {exc}"
 
 
 class NonFiniteGuard:
@@ -277,11 +292,21 @@ class TrainingSession:
 
     # -- signals ------------------------------------------------------------------------------
     def _install_signal_handlers(self) -> None:
+        """The first SIGINT / SIGTERM asks the loop to stop: it ends after the current step, or at
+        once when it is waiting for rewards (the step is then abandoned), and saves a checkpoint of
+        the last completed step. A second one stops at once, without saving."""
         def handler(signum, frame):
-            if self.stop_signal is not None:  # a second Ctrl-C: stop now
+            name = signal.Signals(signum).name
+            if self.stop_signal is not None:
+                self.print(f"[yellow]second {name}: stopping now without saving; resume later from the last "
+                           f"checkpoint with: rlft train --resume {self.run.root}")
+                previous = self._old_handlers.get(signum)
+                if callable(previous):  # the caller's own way to stop (the CLI's: no traceback)
+                    previous(signum, frame)
                 raise KeyboardInterrupt
-            self.stop_signal = signal.Signals(signum).name
-            self.print(f"[yellow]{self.stop_signal}: finishing this step, then saving a checkpoint")
+            self.stop_signal = name
+            self.print(f"[yellow]{name}: stopping after this step (at once if rewards are still running) and "
+                       "saving a checkpoint; press Ctrl-C again to stop now without saving")
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
@@ -290,6 +315,7 @@ class TrainingSession:
                 pass
 
     def _restore_signal_handlers(self) -> None:
+        """Idempotent: the loop calls it when it ends (an error included), finish() again."""
         for sig, old in self._old_handlers.items():
             signal.signal(sig, old)
         self._old_handlers.clear()
@@ -335,23 +361,18 @@ class TrainingSession:
         if self._improves_best(record):
             self.save_checkpoint()
 
-    def evaluate(self, evaluate: Callable[[], dict[str, float]]) -> dict[str, float]:
-        """Run an evaluation; if it fails, the trained steps are saved first (a checkpoint, and the
-        final export after the last step), then one error says where they are."""
-        try:
-            return evaluate()
-        except Exception as exc:
-            path = self.save_checkpoint()
-            saved = f"checkpoint {path}"
-            if self.step >= self.total_steps:
-                export_model(self.policy, self.run.final)
-                saved += f" and the final model {self.run.final}"
-            self.run.update_summary({"status": "eval_failed", "step": self.step, "error": f"{type(exc).__name__}: {exc}"})
-            last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
-            raise RlftError(f"the evaluation at step {self.step} failed ({type(exc).__name__}: {last}); the trained "
-                            f"weights are safe: {saved}.\nFix the evaluation settings, then evaluate with "
-                            f"`rlft eval {self.run.root}` or resume with `rlft train --resume {self.run.root}`"
-                            ) from exc
+    def fail_evaluation(self, reason: str) -> None:
+        """An evaluation failed after a completed step: save it (and, after the last step, the final
+        export) so no trained step is lost, then stop with one error saying where they are."""
+        path = self.save_checkpoint()
+        saved = f"checkpoint {path}"
+        if self.step >= self.total_steps:
+            export_model(self.policy, self.run.final)
+            saved += f" and the final model {self.run.final}"
+        self.run.update_summary({"status": "eval_failed", "step": self.step, "error": reason})
+        raise TrainingHalted(f"the evaluation after step {self.step} failed: {reason}\nThe trained weights are safe: "
+                             f"{saved}. Fix the evaluation, then evaluate with `rlft eval {self.run.root}` or "
+                             f"continue with `rlft train --resume {self.run.root}`")
 
     def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
         """Checkpoint, export the final model (merged; adapter too under LoRA) unless a health
@@ -365,7 +386,7 @@ class TrainingSession:
             if self.stop_signal is not None:
                 self.print(f"stopped by {self.stop_signal} at step {self.step}; checkpoint {path}\n"
                            f"resume with: rlft train --resume {self.run.root}")
-                return self.run.update_summary({"status": "interrupted", **summary})
+                return self.run.update_summary({"status": "interrupted", "signal": self.stop_signal, **summary})
             if self.halt is not None:
                 self.print(f"[red]stopped by the health monitor at step {self.step}: {escape(self.halt)}\n"
                            f"checkpoint {path} (no final/ export). To only warn: monitor.on_alert.<detector>=warn")

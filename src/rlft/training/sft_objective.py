@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from rlft.config import DataConfig, EvalConfig, RewardSpec
+from rlft.config import DataConfig, EvalConfig, RewardSpec, ScoringConfig
 from rlft.data.prompts import prompt_example
 from rlft.data.readers import read_rows
 from rlft.data.sft_examples import SftExample, collate_sft, make_sft_encoder
@@ -25,10 +25,14 @@ class SftObjective:
     title = "sft"
     progress_keys = ["loss", "lr", "grad_norm", "eval/loss", "eval/format_compliance", "eval/accuracy"]
 
-    def __init__(self, data: DataConfig, evaluation: EvalConfig, rewards: list[RewardSpec], seed: int = 0):
+    def __init__(self, data: DataConfig, evaluation: EvalConfig, rewards: list[RewardSpec], seed: int = 0,
+                 scoring: ScoringConfig | None = None):
         self.data, self.evaluation, self.seed = data, evaluation, seed
         # eval accuracy needs rewards; built here so a bad reward spec fails before training
-        self.scorer = RewardScorer(rewards) if rewards else None
+        sc = scoring or ScoringConfig()
+        self.scorer = RewardScorer(rewards, sc.max_workers, timeout_s=sc.timeout_s,
+                                   max_consecutive_timeouts=sc.max_consecutive_timeouts,
+                                   on_error=sc.on_reward_error) if rewards else None
         self.pad_id = 0
 
     def prepare(self, policy: LoadedModel) -> tuple[list[SftExample], list[SftExample], dict[str, Any]]:
@@ -36,12 +40,12 @@ class SftObjective:
         self.pad_id = tok.pad_token_id
         end_ids = end_of_turn_ids(tok)
         encode = make_sft_encoder(tok, end_ids, d.max_length, d.max_prompt_length)
-        train = check_rows(read_rows(d.train, d.split), encode, d.train, "SFT", d.on_invalid)
+        train = check_rows(read_rows(d.train, d.split, d.max_row_bytes), encode, d.train, "SFT", d.on_invalid)
         evals: list[SftExample] = []
         if d.eval:  # eval rows are scored by the rewards: they need the fields those read
             needs = self.scorer.required_fields if self.scorer else ()
             encode_eval = make_sft_encoder(tok, end_ids, d.max_length, d.max_prompt_length, needs)
-            evals = check_rows(read_rows(d.eval, d.eval_split or d.split), encode_eval, d.eval, "SFT eval",
+            evals = check_rows(read_rows(d.eval, d.eval_split or d.split, d.max_row_bytes), encode_eval, d.eval, "SFT eval",
                                d.on_invalid)
         return train, evals, {}
 
