@@ -85,4 +85,4 @@ def plan(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("plan", help="Estimate a config's GPU memory from config.json alone; fits/does not fit, and fixes.")(plan)
+    app.command("plan", help="Estimate a config's GPU memory from config.json alone: fits or not, and fixes.")(plan)

@@ -6,9 +6,12 @@ largest phase, not the sum of everything:
 
 - `static`: weights, fp32 master weights, optimizer states, the reference model and a separate
   critic -- alive for the whole run;
-- `update`: gradients, saved activations, the logits and their log-softmax, during forward/backward;
+- `update`: saved activations, the logits and their log-softmax during forward/backward, and the
+  gradients when micro-batches are accumulated (with one micro-batch, backward frees a layer's
+  activations as it fills that layer's gradients, so the two never add up);
+- `recompute` (gradient checkpointing): the layer inputs, one rebuilt layer and the gradients;
 - `rollout` (online methods, hf engine): the KV cache and the engine's working copies while sampling;
-- `optimizer`: the optimizer step's temporaries (torch's foreach AdamW on GPU).
+- `optimizer`: the gradients and the optimizer step's temporaries (torch's foreach AdamW on GPU).
 
 The activation terms count the tensors autograd saves in a Llama/Qwen2 decoder layer as
 transformers runs it (autograd keeps an input only when a gradient needs it); they were checked
@@ -171,8 +174,6 @@ class PlanInput:
         return 4 if self.precision == "fp32" else 2
 
 
-
-
 @dataclass(frozen=True)
 class Component:
     name: str
@@ -205,9 +206,6 @@ class MemoryPlan:
     @property
     def peak_phase(self) -> str:
         return max(self.phases.items(), key=lambda kv: kv[1])[0]
-
-    def static_bytes(self) -> int:
-        return self.phase_total("static")
 
     def table(self) -> str:
         unit, scale = ("GiB", GiB) if self.total >= GiB else ("MiB", 2**20)
@@ -325,7 +323,8 @@ def _static(m: ModelShape, s: PlanInput, out: list[Component], notes: list[str])
                                  "autocast's cast of each trainable weight, kept until backward"))
     label = (name + " " if name else "")
     out.append(Component(f"{label}weights" + (" (fp32 master)" if s.mixed and not s.lora else ""),
-                         trainable * weight_bytes // n, ("static",), f"{trainable / 1e9:.3f}B x {weight_bytes} B{shard}"))
+                         trainable * weight_bytes // n, ("static",),
+                         f"{trainable / 1e9:.3f}B x {weight_bytes} B{shard}"))
     # Backward frees a layer's activations as it fills that layer's gradients, so with one micro-batch
     # per step the two never add up; under accumulation the earlier micro-batches' gradients do.
     if s.accumulates:
@@ -433,7 +432,7 @@ def _rollout(m: ModelShape, s: PlanInput, out: list[Component], notes: list[str]
     # The prefill's cache stays referenced while the lean decoder copies it into preallocated buffers;
     # dropping finished rows copies the key buffers (then the value buffers) once more.
     out.append(Component("hf engine cache copies", kv_per_token * gen_rows * (2 * prompt_len + s.seq_len) // 2,
-                         ("rollout",), "prefill cache kept while decoding + keys copied when finished rows are dropped"))
+                         ("rollout",), "prefill cache kept while decoding + keys copied when rows finish"))
     if s.fast_decode:
         linear = {k: a * c for k, (a, c) in m.linear_shapes().items()}
         fused = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -441,7 +440,8 @@ def _rollout(m: ModelShape, s: PlanInput, out: list[Component], notes: list[str]
         out.append(Component("fast-decode fused weights", m.layers * copied * DTYPE_BYTES[s.param_dtype], ("rollout",),
                              "q|k|v and gate|up concatenated" + (", LoRA merged into every linear" if s.lora else "")))
     prefill = gen_rows * prompt_len * (4 * m.hidden + 3 * m.intermediate) * b + 5 * gen_rows * m.vocab * 4
-    out.append(Component("prefill + sampling working set", prefill, ("rollout",), "one layer at a time; [rows, V] probs"))
+    out.append(Component("prefill + sampling working set", prefill, ("rollout",),
+                         "one layer at a time; [rows, V] probs"))
     if n > 1:
         out.append(Component("gathered weights for sampling", m.params() * DTYPE_BYTES[s.param_dtype], ("rollout",),
                              "the hf engine samples with full (unsharded) weights on each rank"))
@@ -516,7 +516,8 @@ def advise(model_config: Any, setting: PlanInput, capacity: int) -> list[Advice]
     rows = s.group_size * s.prompts_per_step
     if s.online and s.engine == "hf" and (s.rollout_batch_size or rows) > 1:
         half = max(1, (s.rollout_batch_size or rows) // 2)
-        options.append((f"generate {half} sequences at a time (rollout.batch_size)", replace(s, rollout_batch_size=half)))
+        options.append((f"generate {half} sequences at a time (rollout.batch_size)",
+                        replace(s, rollout_batch_size=half)))
     options.append((f"{s.world_size * 2} ranks (FSDP sharding)", replace(s, world_size=s.world_size * 2)))
     if s.seq_len > 2:
         seq = s.seq_len // 2
