@@ -1,0 +1,167 @@
+"""`rlft data ...`: dataset tools that need a model -- difficulty screening and model-sampled
+preference pairs -- and inter-annotator agreement of labelled pairs.
+
+Generation and scoring go through `Plumbing`, a small Protocol; `default_plumbing` builds it from a
+training config with the hf engine and the config's rewards. Another engine (vLLM) only needs
+another `Plumbing`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
+
+import typer
+
+from rlft.errors import ConfigError
+
+app = typer.Typer(help="Dataset tools: difficulty screening, sampled preference pairs, annotator agreement.",
+                  no_args_is_help=True, add_completion=False)
+
+
+class Plumbing(Protocol):
+    tokenizer: Any
+
+    def sample(self, prompt_ids_list: list[list[int]], k: int) -> Sequence[Any]:
+        """k completions per prompt, grouped by prompt (as `Engine.generate`)."""
+
+    def rewards(self, examples: Sequence[Any], texts: Sequence[str]) -> Any:
+        """`rlft.rewards.base.Scores` of completion i of prompt examples[i]."""
+
+
+class ModelPlumbing:
+    """The config's model (hf engine, rollout sampling settings) and its reward components."""
+
+    def __init__(self, config: Any):
+        from rlft.models.loading import load_policy
+        from rlft.rewards.base import RewardScorer
+        from rlft.rollout import build_engine, sampling_params
+        from rlft.rollout.hf import generation_stop_ids
+
+        if not config.rewards:
+            raise ConfigError("rlft data: the config has no rewards; add e.g. rewards: [{fn: math}]")
+        policy = load_policy(config.model, config.lora)
+        self.tokenizer = policy.tokenizer
+        self.engine = build_engine(config.rollout, policy, generation_stop_ids(policy.model, policy.tokenizer),
+                                   config.seed)
+        self.params = sampling_params(config.rollout)
+        self.scorer = RewardScorer(config.rewards, config.scoring.max_workers)
+        self.required = self.scorer.required_fields
+        self.correct_component = config.eval.correct_component or self.scorer.components[0][0]
+
+    def sample(self, prompt_ids_list: list[list[int]], k: int) -> Sequence[Any]:
+        return self.engine.generate(prompt_ids_list, replace(self.params, n=k))
+
+    def rewards(self, examples: Sequence[Any], texts: Sequence[str]) -> Any:
+        from rlft.rewards.base import scoring_row
+
+        rows = [scoring_row(e.fields, "stop", 0, self.params.max_new_tokens) for e in examples]
+        return self.scorer.score([e.prompt_text for e in examples], list(texts), rows)
+
+
+# swapped by the caller (tests, another engine): config -> Plumbing
+default_plumbing: Callable[[Any], Plumbing] = ModelPlumbing
+
+
+def _prompts(config: Any, plumbing: Plumbing) -> tuple[list[Any], list[Any]]:
+    """(rows, examples) of `data.train`, aligned: rows dropped by validation are dropped from both."""
+    from rlft.data.loading import read_rows
+    from rlft.data.prompts import make_prompt_encoder
+    from rlft.data.validate import check_rows
+
+    rows = read_rows(config.data.train, config.data.split)
+    encode = make_prompt_encoder(plumbing.tokenizer, config.data.max_prompt_length, getattr(plumbing, "required", ()))
+    examples = check_rows(rows, encode, config.data.train, "prompt", config.data.on_invalid)
+    kept = {e.where for e in examples}
+    return [r for r in rows if r.where in kept], examples
+
+
+def run_screen(config: Any, plumbing: Plumbing, samples: int, low: float, high: float, out: Path,
+               threshold: float | None = None) -> str:
+    from rlft.data.screen import screen_prompts, write_screen
+
+    rows, examples = _prompts(config, plumbing)
+    component = getattr(plumbing, "correct_component", None)
+    threshold = config.eval.correct_threshold if threshold is None else threshold
+
+    def score(example: Any, text: str) -> float | None:
+        scores = plumbing.rewards([example], [text])
+        return scores.components[component][0] if component in scores.components else scores.total[0]
+
+    try:
+        result = screen_prompts(examples, plumbing.sample, score, samples, low, high, threshold)
+    except ValueError as exc:
+        raise ConfigError(f"rlft data screen: {exc}") from None
+    kept_path, rates_path = write_screen(rows, result, out)
+    c = result.counts
+    return (f"screened {len(examples)} prompts with {samples} samples each: kept {c['kept']}, too easy "
+            f"{c['too_easy']} (> {high}), too hard {c['too_hard']} (< {low}), unscored {c['unscored']}\n"
+            f"{result.histogram()}\nkept rows: {kept_path}\npass rates: {rates_path}")
+
+
+def run_pairs(config: Any, plumbing: Plumbing, samples: int, margin: float, out: Path) -> str:
+    from rlft.data.sampled_pairs import sample_pairs, write_pairs
+
+    _, examples = _prompts(config, plumbing)
+
+    def score(example: Any, texts: list[str]) -> list[float | None]:
+        return plumbing.rewards([example] * len(texts), texts).total
+
+    try:
+        rows, counts = sample_pairs(examples, plumbing.sample, score, samples, margin)
+    except ValueError as exc:
+        raise ConfigError(f"rlft data pairs: {exc}") from None
+    path = write_pairs(rows, out)
+    s = counts.skipped
+    return (f"{counts.pairs} pairs from {counts.prompts} prompts ({samples} samples each) -> {path}\n"
+            f"skipped {counts.skipped_total}: {s['small_gap']} with a score gap <= {margin}, "
+            f"{s['unscored']} with fewer than two scored samples, {s['identical']} identical best/worst")
+
+
+@app.command("screen")
+def screen(
+    config: Path = typer.Argument(..., help="Training config: model, data.train, rewards, rollout sampling."),
+    samples: int = typer.Option(8, "--samples", min=1, help="Completions per prompt."),
+    low: float = typer.Option(0.1, "--low", help="Keep prompts with pass rate >= this."),
+    high: float = typer.Option(0.9, "--high", help="... and <= this."),
+    out: Path = typer.Option(..., "--out", help="JSONL of the kept rows (pass rates go next to it)."),
+) -> None:
+    """Keep the prompts the model solves sometimes: pass rate over SAMPLES in [LOW, HIGH]."""
+    from rlft.config import load_config
+
+    cfg = load_config(config)
+    typer.echo(run_screen(cfg, default_plumbing(cfg), samples, low, high, out))
+
+
+@app.command("pairs")
+def pairs(
+    config: Path = typer.Argument(..., help="Training config: model, data.train (prompts), rewards."),
+    samples: int = typer.Option(8, "--samples", min=2, help="Completions per prompt."),
+    margin: float = typer.Option(0.0, "--margin", min=0.0, help="Keep a pair when best - worst score > this."),
+    out: Path = typer.Option(..., "--out", help="JSONL of preference rows {prompt, chosen, rejected, margin}."),
+) -> None:
+    """Preference pairs from the model's own samples: best vs worst by reward."""
+    from rlft.config import load_config
+
+    cfg = load_config(config)
+    typer.echo(run_pairs(cfg, default_plumbing(cfg), samples, margin, out))
+
+
+@app.command("agreement")
+def agreement_cmd(data: str = typer.Argument(..., help="Preference rows with a 'labels' list per row.")) -> None:
+    """Percent agreement and Krippendorff's alpha of annotators' labels."""
+    from rlft.data.agreement import agreement, read_labels
+    from rlft.data.loading import read_rows
+
+    rows = read_rows(data)
+    bad = [r for r in rows if r.data is None]
+    if bad:
+        raise ConfigError(f"{bad[0].where}: {bad[0].error}")
+    result = agreement(read_labels(rows))
+    for key, value in result.metrics().items():
+        typer.echo(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
+
+
+def register(app_: typer.Typer) -> None:
+    app_.add_typer(app, name="data", help="Dataset tools: screen prompts by difficulty, sample preference pairs.")

@@ -1,0 +1,88 @@
+"""`rlft plan CONFIG`: the memory a training config needs, from config.json alone, before any
+weight is loaded; a verdict for a device and the changes that would make it fit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from rlft.config import Config
+from rlft.errors import ConfigError, RlftError
+
+
+def plan_input_from_config(config: Config, world_size: int = 1) -> Any:
+    """The planner's flat settings for an rlft config: worst-case lengths (max prompt + max new
+    tokens; every SFT token a target), rlft's own precision (weights in model.dtype, AdamW states
+    in the same dtype) and torch's foreach AdamW as on a GPU."""
+    from rlft.plan import PlanInput
+
+    d, t, r, a = config.data, config.training, config.rollout, config.algorithm
+    common = dict(lora=config.lora.enabled, lora_r=config.lora.r, lora_dropout=config.lora.dropout,
+                  lora_targets=config.lora.target_modules if isinstance(config.lora.target_modules, str)
+                  else tuple(config.lora.target_modules),
+                  param_dtype=config.model.dtype, precision=config.model.dtype,
+                  gradient_checkpointing=config.model.gradient_checkpointing,
+                  attention="eager" if config.model.attn_implementation == "eager" else "sdpa",
+                  world_size=world_size)
+    if config.is_online:
+        per_minibatch = max(1, r.group_size * r.prompts_per_step // world_size // a.minibatches)
+        return PlanInput(method="ppo" if config.method == "ppo" else "online", **common,
+                         micro_batch_size=min(a.micro_batch_size or per_minibatch, per_minibatch),
+                         batch_size=per_minibatch, seq_len=d.max_prompt_length + r.max_new_tokens,
+                         completion_len=r.max_new_tokens, group_size=r.group_size, prompts_per_step=r.prompts_per_step,
+                         rollout_batch_size=r.batch_size, reference=a.kl_coef > 0 or a.kl_target is not None,
+                         critic=config.critic.kind, engine=r.engine, fast_decode=r.fast_decode)
+    micro = t.micro_batch_size or t.batch_size
+    return PlanInput(method=config.method, **common, micro_batch_size=micro, batch_size=t.batch_size,
+                     seq_len=d.max_length, completion_len=d.max_length - 1 if config.method == "dpo" else d.max_length,
+                     reference=config.method == "dpo" and not config.dpo.precompute_ref)
+
+
+def read_model_config(path: str, revision: str | None = None, trust_remote_code: bool = False) -> dict[str, Any]:
+    """config.json of a local folder or a hub id (only that file is read)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code).to_dict()
+    except (OSError, ValueError) as exc:
+        raise RlftError(f"could not read the model's config.json from {path!r}: {exc}\n"
+                        "Fix: model.path must be a local checkpoint folder or a reachable hub id") from None
+
+
+def plan_report(config: Config, device: str | None = None, memory_gb: float | None = None,
+                world_size: int = 1) -> str:
+    from rlft.plan import GiB, Verdict, advise, device_capacity, plan_memory
+
+    model_cfg = read_model_config(config.model.path, config.model.revision, config.model.trust_remote_code)
+    try:
+        setting = plan_input_from_config(config, world_size)
+        label, capacity = device_capacity(device, memory_gb)
+        plan = plan_memory(model_cfg, setting)
+    except ValueError as exc:
+        raise ConfigError(f"rlft plan: {exc}") from None
+    verdict = Verdict(label, capacity, plan.total)
+    lines = [f"memory plan for {config.method} on {config.model.path} ({world_size} rank(s))", "", plan.table(), "",
+             "assumptions:", *[f"  - {a}" for a in plan.assumptions], "", verdict.text()]
+    advice = advise(model_cfg, setting, capacity)
+    if advice:
+        lines += ["", "changes that lower the peak (largest effect first):"]
+        lines += [f"  - {a.change}: {a.total / GiB:.1f} GiB{' (fits)' if a.fits else ''}" for a in advice]
+    return "\n".join(lines)
+
+
+def plan(
+    config_path: Path = typer.Argument(..., help="Training config YAML."),
+    device: Optional[str] = typer.Option(None, "--device", help="e.g. 'H100 80GB', 'A100 40GB', 'L4 24GB'."),
+    memory_gb: Optional[float] = typer.Option(None, "--memory-gb", help="Device memory in GiB (instead of --device)."),
+    world_size: int = typer.Option(1, "--world-size", min=1, help="Ranks sharing the model (FSDP)."),
+) -> None:
+    """Estimate the memory of a training run before loading any weights."""
+    from rlft.config import load_config
+
+    typer.echo(plan_report(load_config(config_path), device, memory_gb, world_size))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("plan", help="Estimate a config's GPU memory from config.json alone: fits or not, and fixes.")(plan)

@@ -1,0 +1,162 @@
+"""Evaluation suites: several held-out sets, each with its own rewards and sampling, run during or
+after training, their metrics logged as `eval/<suite>/<metric>`.
+
+A suite reuses `rlft.eval.generation.evaluate_prompts` (accuracy, mean reward, pass@k, format
+compliance, length, truncation) and adds, from the same completions: the length's standard
+deviation, maj@k over the sampled answers, and the gap between the training reward and the suite's.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from pydantic import Field, field_validator
+
+from rlft.config import EvalConfig, RewardSpec, Section
+from rlft.data.prompts import PromptExample
+from rlft.eval.generation import evaluate_prompts
+from rlft.eval.metrics import length_stats, maj_at_k, normalize_answer
+from rlft.rollout.base import Completion, SamplingParams
+
+
+class SuiteSampling(Section):
+    num_samples: int = Field(1, ge=1, description="Completions per prompt (k of pass@k and maj@k).")
+    temperature: float = Field(0.0, ge=0, description="0: greedy; > 0: sampled.")
+    max_new_tokens: int = Field(128, ge=1, description="Longest completion.")
+    batch_size: int = Field(64, ge=1, description="Sequences generated per forward.")
+
+
+class EvalSuite(Section):
+    """One held-out set (`eval.suites: [...]` in a config)."""
+
+    name: str = Field(description="Metric prefix: eval/<name>/...; letters, digits, '_', '-' and '.'.")
+    data: str = Field(description="Prompt rows (.jsonl/.json/.parquet, a saved dataset or 'hf:NAME').")
+    split: str = Field("train", description="Split of an 'hf:NAME' dataset.")
+    rewards: list[RewardSpec] = Field(default_factory=list, description="Reward components (default: none).")
+    correct_component: str | None = Field(
+        None, description="Reward component that means 'correct' (default: the first).")
+    correct_threshold: float = Field(1.0, description="A sample is correct when that component is >= this.")
+    sampling: SuiteSampling = Field(default_factory=SuiteSampling)
+    format_regex: str | None = Field(None, description="A completion is compliant when it stops and fully matches.")
+    max_examples: int | None = Field(256, ge=1, description="Rows used (None: all).")
+    every: int | None = Field(None, ge=1, description="Run every N steps (always after the last step).")
+    answer: str | None = Field(
+        "math", description="maj@k answer extractor: 'math' (boxed / 'answer is' / last number), "
+                            "'module:function' (completion -> answer or None), or null (no maj@k).")
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", value):
+            raise ValueError(f"eval suite name {value!r} must use letters, digits, '_', '-' or '.' only")
+        return value
+
+    def eval_config(self) -> EvalConfig:
+        s = self.sampling
+        return EvalConfig(max_examples=self.max_examples, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+                          num_samples=s.num_samples, format_regex=self.format_regex,
+                          correct_component=self.correct_component, correct_threshold=self.correct_threshold,
+                          batch_size=s.batch_size)
+
+    def due(self, step: int, total_steps: int) -> bool:
+        return step == total_steps or bool(self.every) and step % self.every == 0
+
+
+def answer_extractor(spec: str | None) -> Callable[[str], str | None] | None:
+    if spec is None:
+        return None
+    if spec == "math":
+        from rlft.rewards.math import HEDGE, extract_answer
+
+        return lambda text: None if (a := extract_answer(text)) == HEDGE else a
+    from rlft.rewards.base import load_user_function
+
+    return load_user_function(spec, "eval suite answer extractor")
+
+
+@dataclass
+class PreparedSuite:
+    suite: EvalSuite
+    examples: list[PromptExample]
+    scorer: Any  # RewardScorer | None
+    extract: Callable[[str], str | None] | None
+
+
+def prepare_suites(suites: Sequence[EvalSuite], tokenizer: Any, max_prompt_length: int,
+                   on_invalid: str = "error") -> list[PreparedSuite]:
+    """Read and check every suite's rows and build its rewards once, before training starts."""
+    from rlft.data.loading import read_rows
+    from rlft.data.prompts import make_prompt_encoder
+    from rlft.data.validate import check_rows
+    from rlft.rewards.base import RewardScorer
+
+    names = [s.name for s in suites]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        from rlft.errors import ConfigError
+
+        raise ConfigError(f"eval.suites: names must be unique; {dupes} appear more than once")
+    out = []
+    for s in suites:
+        scorer = RewardScorer(s.rewards) if s.rewards else None
+        encode = make_prompt_encoder(tokenizer, max_prompt_length, scorer.required_fields if scorer else ())
+        examples = check_rows(read_rows(s.data, s.split), encode, s.data, f"eval suite '{s.name}'", on_invalid)
+        out.append(PreparedSuite(s, examples, scorer, answer_extractor(s.answer)))
+    return out
+
+
+class _Recording:
+    """An engine proxy that keeps the completions it returned (evaluate_prompts' records hold text,
+    not token counts)."""
+
+    def __init__(self, engine: Any):
+        self.engine, self.completions = engine, []
+        if hasattr(engine, "isolated_rng"):
+            self.isolated_rng = engine.isolated_rng
+
+    def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[Completion]:
+        out = self.engine.generate(prompts, params)
+        self.completions.extend(out)
+        return out
+
+
+def evaluate_suite(engine: Any, prepared: PreparedSuite, seed: int = 0,
+                   train_reward: float | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """One suite's metrics (prefixed `eval/<name>/`) and per-completion records."""
+    suite = prepared.suite
+    prefix = f"eval/{suite.name}/"
+    recorder = _Recording(engine)
+    result = evaluate_prompts(recorder, prepared.examples, suite.eval_config(), prepared.scorer, prefix=prefix,
+                              seed=seed)
+    metrics = dict(result.metrics)
+    done = recorder.completions
+    stats = length_stats([len(c.completion_ids) for c in done], [c.finish_reason == "length" for c in done])
+    metrics[f"{prefix}length_std"] = stats["length_std"]
+    k = suite.sampling.num_samples
+    if prepared.extract is not None and prepared.scorer is not None and k > 1:
+        by_prompt: dict[int, list[tuple[str | None, bool]]] = {}
+        for c, rec in zip(done, result.records):
+            answer = normalize_answer(prepared.extract(c.text))
+            by_prompt.setdefault(c.prompt_index, []).append((answer, bool(rec.get("correct"))))
+            rec["answer"] = answer
+        per_prompt = [maj_at_k([a for a, _ in v], [ok for _, ok in v], k) for v in by_prompt.values()]
+        metrics[f"{prefix}maj@{k}"] = sum(per_prompt) / len(per_prompt)
+    if train_reward is not None and f"{prefix}reward_mean" in metrics:
+        metrics[f"{prefix}reward_gap"] = train_reward - metrics[f"{prefix}reward_mean"]
+    return metrics, result.records
+
+
+def run_suites(engine: Any, prepared: Sequence[PreparedSuite], step: int, total_steps: int, seed: int = 0,
+               train_reward: float | None = None) -> tuple[dict[str, float], dict[str, list[dict[str, Any]]]]:
+    """Run the suites due at `step` (all of them after the last step): merged metrics, and the
+    records of each suite that ran."""
+    metrics: dict[str, float] = {}
+    records: dict[str, list[dict[str, Any]]] = {}
+    for p in prepared:
+        if p.suite.due(step, total_steps):
+            m, recs = evaluate_suite(engine, p, seed, train_reward)
+            metrics.update(m)
+            records[p.suite.name] = recs
+    return metrics, records

@@ -1,0 +1,532 @@
+"""Memory planner: will a training run fit on a device, from the model's config.json alone?
+
+`plan_memory(model_config, PlanInput(...))` adds up what a training step holds at once, per phase,
+before any weight is loaded. A step has phases that do not overlap in time, so the peak is the
+largest phase, not the sum of everything:
+
+- `static`: weights, fp32 master weights, optimizer states, the reference model and a separate
+  critic -- alive for the whole run;
+- `update`: saved activations, the logits and their log-softmax during forward/backward, and the
+  gradients when micro-batches are accumulated (with one micro-batch, backward frees a layer's
+  activations as it fills that layer's gradients, so the two never add up);
+- `recompute` (gradient checkpointing): the layer inputs, one rebuilt layer and the gradients;
+- `rollout` (online methods, hf engine): the KV cache and the engine's working copies while sampling;
+- `optimizer`: the gradients and the optimizer step's temporaries (torch's foreach AdamW on GPU).
+
+The activation terms count the tensors autograd saves in a Llama/Qwen2 decoder layer as
+transformers runs it (autograd keeps an input only when a gradient needs it); they were checked
+tensor by tensor on CPU with `rlft.monitor.memory.LiveTensorTracker`, and whole runs are compared
+in `benchmarks/plan_vs_measured.py`. Per token and layer, with b bytes per activation element,
+H hidden, Q = heads x head_dim, I intermediate, T the sequence length:
+  - each RMSNorm: its input in fp32 and rsqrt (4H + 4), and the normalised tensor (bH) when its
+    weight trains;
+  - the inputs of the linears (bH twice, bI for down_proj) when their weights train; under LoRA
+    each adapted linear keeps its own fp32 dropout output instead (see `_linear_input_bytes`);
+  - attention (sdpa): q, k, v and the output (4bQ; padded batches pass a mask, so transformers
+    repeats grouped K/V heads to the full head count before sdpa), log-sum-exp (4 x heads) and the
+    additive mask (bT); eager attention keeps the [heads, T] softmax in fp32 (4 x heads x T), its
+    cast back to b bytes (b x heads x T when b < 4) and a contiguous copy for o_proj;
+  - MLP: gate, silu(gate) and up (3bI).
+With gradient checkpointing a layer keeps only its input (bH per token) and one layer is rebuilt
+at a time in backward. Kernels differ by device (`device_type`): the defaults model CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+GiB = 2**30
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LOGPROB_CHUNK_ROWS = 16  # rlft.train.logprobs computes log-softmax in row chunks of this size
+
+# Total memory as nvidia-smi reports it (MiB); the first GiB is left for the CUDA context.
+DEVICES_MIB = {
+    "H200 141GB": 143771, "H100 80GB": 81559, "A100 80GB": 81920, "A100 40GB": 40960,
+    "L40S 48GB": 46068, "A10G 24GB": 23028, "RTX 4090 24GB": 24564, "L4 24GB": 23034,
+}
+CUDA_CONTEXT = 1 * GiB
+FRAGMENTATION = 0.10  # share of the rest kept free for the caching allocator's fragmentation
+
+Method = Literal["sft", "dpo", "reward_model", "online", "ppo"]
+Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp16"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions of a Llama-family decoder (Llama, Qwen2, Mistral) read from config.json."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_config(cls, config: Any) -> "ModelShape":
+        cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                               "vocab_size") if k not in cfg]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}: the planner knows Llama-family decoders "
+                             "(Llama, Qwen2, Mistral) only")
+        if cfg.get("num_local_experts") or cfg.get("num_experts"):
+            raise ValueError("mixture-of-experts configs are not supported by the planner")
+        heads = cfg["num_attention_heads"]
+        return cls(hidden=cfg["hidden_size"], intermediate=cfg["intermediate_size"], layers=cfg["num_hidden_layers"],
+                   heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads,
+                   head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, vocab=cfg["vocab_size"],
+                   # transformers' default is True, but Llama/Qwen2 configs of large models say false
+                   tied=bool(cfg.get("tie_word_embeddings", False)),
+                   qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)))
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear in one decoder layer."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def layer_params(self) -> int:
+        linear = sum(a * b for a, b in self.linear_shapes().values())
+        bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
+        return linear + bias + 2 * self.hidden  # + the two RMSNorm weights
+
+    def params(self, lm_head: bool = True) -> int:
+        embed = self.vocab * self.hidden
+        head = embed if lm_head and not self.tied else 0
+        return embed + head + self.layers * self.layer_params() + self.hidden
+
+    def lora_params(self, r: int, targets: str | tuple[str, ...]) -> int:
+        return self.layers * sum(r * (a + b) for name, (a, b) in self.linear_shapes().items()
+                                 if name in lora_targets(targets))
+
+
+def lora_targets(targets: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """peft's 'all-linear' adapts every linear but the output head."""
+    if targets == "all-linear":
+        return LINEARS
+    names = (targets,) if isinstance(targets, str) else tuple(targets)
+    unknown = [n for n in names if n not in LINEARS]
+    if unknown:
+        raise ValueError(f"unknown LoRA target modules {unknown}; the planner knows {', '.join(LINEARS)}")
+    return names
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    """One training setting, as flat fields (the CLI fills them from an rlft config)."""
+
+    method: Method = "sft"
+    lora: bool = False
+    lora_r: int = 16
+    lora_targets: str | tuple[str, ...] = "all-linear"
+    lora_dropout: float = 0.05  # > 0: each adapted linear keeps its own dropped-out input copy
+    param_dtype: Literal["fp32", "bf16", "fp16"] = "bf16"  # frozen weights (LoRA base, reference)
+    precision: Precision = "bf16"  # fp32 | pure bf16/fp16 | *-mixed: fp32 master + autocast
+    gradient_checkpointing: bool = False
+    attention: Literal["sdpa", "eager"] = "sdpa"
+    micro_batch_size: int = 1  # sequences per forward (dpo: pairs, each two sequences)
+    batch_size: int | None = None  # sequences per optimizer step (None: one micro-batch, no accumulation)
+    seq_len: int = 1024  # prompt + completion tokens
+    completion_len: int = 256  # tokens with log-probs (online, dpo); sft: target tokens
+    group_size: int = 8  # online: G
+    prompts_per_step: int = 4
+    rollout_batch_size: int | None = None  # sequences generated per forward (None: G x prompts)
+    reference: bool = False  # a KL term (or DPO) needs the reference policy
+    critic: Literal["separate", "shared"] = "separate"  # ppo only
+    world_size: int = 1  # FSDP-style sharding of weights, gradients and optimizer states
+    engine: Literal["hf", "vllm"] = "hf"
+    fast_decode: bool = True  # hf engine: fused copies of the projection weights while sampling
+    device_type: Literal["cuda", "cpu"] = "cuda"  # kernels: fused dropout and foreach AdamW on cuda
+
+    def __post_init__(self) -> None:
+        pure = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}.get(self.precision)
+        if pure and pure != self.param_dtype:
+            raise ValueError(f"precision {self.precision!r} trains {pure} weights, but param_dtype is "
+                             f"{self.param_dtype!r}; set param_dtype={pure!r} or use a *-mixed precision")
+        for name in ("micro_batch_size", "seq_len", "group_size", "prompts_per_step", "world_size", "lora_r"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.completion_len <= self.seq_len:
+            raise ValueError(f"completion_len must be in [1, seq_len={self.seq_len}], got {self.completion_len}")
+
+    @property
+    def online(self) -> bool:
+        return self.method in ("online", "ppo")
+
+    @property
+    def accumulates(self) -> bool:
+        """Gradients of earlier micro-batches are alive while the next one runs forward."""
+        return (self.batch_size or self.micro_batch_size) > self.micro_batch_size
+
+    @property
+    def mixed(self) -> bool:
+        return self.precision.endswith("-mixed")
+
+    @property
+    def act_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    bytes: int
+    phases: tuple[str, ...]  # ("static",): the whole run; else the phases it is alive in
+    note: str = ""
+
+    @property
+    def phase(self) -> str:
+        return "+".join(self.phases)
+
+
+@dataclass
+class MemoryPlan:
+    components: list[Component]
+    assumptions: list[str] = field(default_factory=list)
+
+    def phase_total(self, phase: str) -> int:
+        return sum(c.bytes for c in self.components if "static" in c.phases or phase in c.phases)
+
+    @property
+    def phases(self) -> dict[str, int]:
+        names = sorted({p for c in self.components for p in c.phases} - {"static"}) or ["static"]
+        return {p: self.phase_total(p) for p in names}
+
+    @property
+    def total(self) -> int:
+        return max(self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases.items(), key=lambda kv: kv[1])[0]
+
+    def table(self) -> str:
+        unit, scale = ("GiB", GiB) if self.total >= GiB else ("MiB", 2**20)
+        name_w = max(len(c.name) for c in self.components)
+        phase_w = max(len(c.phase) for c in self.components)
+        lines = [f"{'component':<{name_w}}  {'phase':<{phase_w}}  {unit:>9}  note"]
+        for c in self.components:
+            lines.append(f"{c.name:<{name_w}}  {c.phase:<{phase_w}}  {c.bytes / scale:9.2f}  {c.note}")
+        for phase, total in self.phases.items():
+            lines.append(f"{'= ' + phase + ' phase':<{name_w}}  {'':<{phase_w}}  {total / scale:9.2f}")
+        lines.append(f"{'peak (largest phase)':<{name_w}}  {'':<{phase_w}}  {self.total / scale:9.2f}  "
+                     f"({self.peak_phase})")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# The arithmetic
+
+
+def _norm_bytes(s: PlanInput, h: int) -> int:
+    """An RMSNorm keeps its input in fp32 and rsqrt; the normalised tensor too when its weight trains
+    (autocast keeps that one in fp32, an fp32 weight multiplies it)."""
+    return 4 * h + 4 + (0 if s.lora else (4 if s.mixed else s.act_bytes) * h)
+
+
+def _linear_input_bytes(s: PlanInput, fan_in: int, readers: tuple[str, ...]) -> int:
+    """What the linears reading one input (per token) keep for backward.
+
+    A trained weight keeps its input once (shared by the readers). Under LoRA the frozen base keeps
+    nothing; each adapted reader runs its own dropout in fp32 (peft upcasts bf16/fp16 inputs to the
+    adapter's fp32): CUDA's fused dropout keeps the output and a one-byte mask, CPU's the output and
+    an fp32 noise tensor; without dropout lora_A keeps its (cast) input. lora_A's
+    rank-r output is kept by lora_B."""
+    b = s.act_bytes
+    if not s.lora:
+        return b * fan_in
+    adapted = [r for r in readers if r in lora_targets(s.lora_targets)]
+    if not adapted:
+        return 0
+    cast = b < 4
+    per_reader, shared = 4 * s.lora_r, 0
+    if s.lora_dropout > 0 and s.device_type == "cuda":
+        per_reader += 5 * fan_in
+    elif s.lora_dropout > 0:
+        per_reader += 8 * fan_in
+    elif cast:
+        per_reader += 4 * fan_in
+    else:
+        shared = b * fan_in
+    return len(adapted) * per_reader + shared
+
+
+def layer_activation_bytes(m: ModelShape, s: PlanInput, seq_len: int) -> int:
+    """Bytes autograd saves per token in one decoder layer (the module docstring lists the terms)."""
+    b, h, q, i = s.act_bytes, m.hidden, m.heads * m.head_dim, m.intermediate
+    if s.attention == "sdpa":  # its output is the o_proj input as well (one storage)
+        attn = 4 * b * q + 4 * m.heads + b * seq_len
+        o_in = 0 if not s.lora else _linear_input_bytes(s, q, ("o_proj",))
+    else:
+        attn = 3 * b * q + 4 * m.heads * seq_len + (b * m.heads * seq_len if b < 4 else 0)
+        o_in = _linear_input_bytes(s, q, ("o_proj",))
+    mlp = 3 * b * i  # gate, silu(gate), up
+    return (2 * _norm_bytes(s, h) + attn + mlp + o_in
+            + _linear_input_bytes(s, h, ("q_proj", "k_proj", "v_proj"))
+            + _linear_input_bytes(s, h, ("gate_proj", "up_proj"))
+            + _linear_input_bytes(s, i, ("down_proj",)))
+
+
+def logits_bytes(m: ModelShape, s: PlanInput, rows: int, kept: int, targets: int) -> int:
+    """Peak of the output head's tensors for `rows` sequences with logits at `kept` positions.
+
+    Log-probs (online, dpo): logits [rows, kept, V] in the compute dtype, an fp32 copy saved for
+    backward when that is lower precision, fp32 log-softmax temporaries for one chunk of 16 rows
+    (entropy is measured in the same chunks), and in backward the logits' gradient plus the copy
+    slicing makes of it. SFT: all positions' logits, the target rows gathered and their fp32
+    log-softmax, in backward its gradient and the scattered full-size gradient."""
+    b, v = s.act_bytes, m.vocab
+    full_b, full32 = rows * kept * v * b, rows * kept * v * 4
+    chunk32 = min(rows, LOGPROB_CHUNK_ROWS) * kept * v * 4
+    if s.method == "sft":
+        picked_b, picked32 = rows * targets * v * b, rows * targets * v * 4
+        upcast = picked32 if b < 4 else 0
+        forward = full_b + picked_b + upcast + picked32
+        backward = 2 * picked32 + full_b
+        return max(forward, backward)
+    upcast = full32 if b < 4 else 0
+    entropy_tmp = (3 + (b < 4)) * chunk32 if s.online else 0
+    # dpo scores the reference after the policy's forward, while the policy's logits are kept
+    reference = full_b + chunk32 if s.method == "dpo" and s.reference else 0
+    forward = full_b + upcast + max(entropy_tmp, chunk32) + reference
+    backward = full_b + upcast + 2 * full_b + chunk32
+    return max(forward, backward)
+
+
+def _static(m: ModelShape, s: PlanInput, out: list[Component], notes: list[str]) -> int:
+    """Weights, master weights, gradients and optimizer states; returns the trainable count."""
+    n = s.world_size
+    shard = f" / {n} ranks" if n > 1 else ""
+    total = m.params(lm_head=s.method != "reward_model") + (m.hidden if s.method == "reward_model" else 0)
+    p_bytes = DTYPE_BYTES[s.param_dtype]
+    if s.lora:
+        trainable = m.lora_params(s.lora_r, s.lora_targets)
+        out.append(Component("weights (frozen base)", total * p_bytes // n, ("static",), f"{total / 1e9:.2f}B x "
+                             f"{p_bytes} B{shard}"))
+        weight_bytes = 4  # peft keeps adapters in fp32 even on a bf16/fp16 base
+        name = "LoRA"
+        notes.append(f"LoRA r={s.lora_r} on {', '.join(lora_targets(s.lora_targets))}: {trainable / 1e6:.1f}M "
+                     "trainable parameters, kept in fp32 by peft")
+    else:
+        trainable = total
+        weight_bytes = 4 if s.mixed else DTYPE_BYTES[s.param_dtype]
+        name = ""
+        if s.mixed:
+            out.append(Component("weights (bf16/fp16 working copy)", 2 * total // n, ("update",),
+                                 "autocast's cast of each trainable weight, kept until backward"))
+    label = (name + " " if name else "")
+    out.append(Component(f"{label}weights" + (" (fp32 master)" if s.mixed and not s.lora else ""),
+                         trainable * weight_bytes // n, ("static",),
+                         f"{trainable / 1e9:.3f}B x {weight_bytes} B{shard}"))
+    # Backward frees a layer's activations as it fills that layer's gradients, so with one micro-batch
+    # per step the two never add up; under accumulation the earlier micro-batches' gradients do.
+    if s.accumulates:
+        phases, note = ("update", "recompute", "optimizer"), "kept across accumulated micro-batches"
+    else:
+        phases, note = ("recompute", "optimizer"), "filled while backward frees activations"
+    if not s.gradient_checkpointing:
+        phases = tuple(p for p in phases if p != "recompute")
+    out.append(Component(f"{label}gradients", trainable * weight_bytes // n, phases, note))
+    if not s.accumulates and not s.lora and not m.tied and s.method != "reward_model":
+        out.append(Component("output head gradient", m.vocab * m.hidden * weight_bytes // n, ("update",),
+                             "the first gradient backward makes"))
+    out.append(Component(f"{label}AdamW states", 2 * trainable * weight_bytes // n, ("static",),
+                         f"exp_avg + exp_avg_sq in the weights' dtype ({weight_bytes} B each)"))
+    if s.device_type == "cuda":
+        out.append(Component("AdamW step temporary", trainable * weight_bytes // n, ("optimizer",),
+                             "foreach AdamW's sqrt(exp_avg_sq) for all tensors at once"))
+    if n > 1:
+        gathered = 2 * m.layer_params() * (2 if s.mixed else p_bytes)
+        out.append(Component("FSDP gathered layers", gathered, ("update",), "two decoder layers unsharded at a time"))
+    return trainable
+
+
+def plan_memory(model_config: Any, setting: PlanInput) -> MemoryPlan:
+    """The memory one training step needs, by component and phase (see the module docstring)."""
+    m = ModelShape.from_config(model_config)
+    s = setting
+    out: list[Component] = []
+    notes = [f"attention: {s.attention}" + (" (T x T scores kept)" if s.attention == "eager" else
+                                            " (no T x T scores; K/V heads repeated when a padding mask is passed)"),
+             "activations counted as saved by autograd in a transformers Llama/Qwen2 layer; a few small "
+             "per-sequence tensors (masks, positions) are left out"]
+    _static(m, s, out, notes)
+    p_bytes, b, n = DTYPE_BYTES[s.param_dtype], s.act_bytes, s.world_size
+    total_params = m.params()
+
+    if s.reference and not s.lora:
+        out.append(Component("reference model", total_params * p_bytes // n, ("static",), "frozen copy of the policy"))
+    elif s.reference:
+        notes.append("reference model: the policy with its adapters disabled (no extra memory)")
+
+    rows = s.micro_batch_size * (2 if s.method == "dpo" else 1)  # dpo: chosen and rejected in one forward
+    tokens = rows * s.seq_len
+    per_layer = layer_activation_bytes(m, s, s.seq_len)
+    final_norm = _norm_bytes(s, m.hidden) + (0 if s.lora else b * m.hidden)  # + lm_head's input
+    if s.gradient_checkpointing:
+        # backward rebuilds one layer at a time, after the logits' gradient is gone
+        acts = tokens * (m.layers * (4 if s.mixed else b) * m.hidden + final_norm)
+        out.append(Component("activations (layer inputs)", acts, ("update", "recompute"),
+                             f"{rows} x {s.seq_len} tokens; gradient checkpointing keeps each layer's input"))
+        out.append(Component("recomputed layer", tokens * per_layer, ("recompute",),
+                             f"one layer's saved tensors, {per_layer / 1024:.1f} KiB per token"))
+    else:
+        acts = tokens * (m.layers * per_layer + final_norm)
+        out.append(Component("activations", acts, ("update",), f"{rows} x {s.seq_len} tokens x {m.layers} layers x "
+                             f"{per_layer / 1024:.1f} KiB per token and layer"))
+
+    if s.method != "reward_model":
+        kept = s.seq_len if s.method == "sft" else s.completion_len + 1
+        out.append(Component("logits + log-softmax", logits_bytes(m, s, rows, kept, s.completion_len), ("update",),
+                             f"[{rows}, {kept}, {m.vocab}]"))
+
+    if s.method == "ppo":
+        _critic(m, s, out, acts)
+    if s.online:
+        _rollout(m, s, out, notes)
+    return MemoryPlan(out, notes)
+
+
+def _critic(m: ModelShape, s: PlanInput, out: list[Component], policy_acts: int) -> None:
+    if s.critic == "shared":
+        out.append(Component("critic (shared value head)", 16 * m.hidden, ("static",), "one linear on the policy"))
+        return
+    n = s.world_size
+    critic_params = m.params(lm_head=False)
+    if s.lora:
+        w = critic_params * DTYPE_BYTES[s.param_dtype] + 16 * m.lora_params(s.lora_r, s.lora_targets)
+        note = "its own base weights + LoRA adapters with AdamW"
+    else:
+        per = 16 if (s.mixed or s.precision == "fp32") else 4 * DTYPE_BYTES[s.param_dtype]
+        w = critic_params * per
+        note = "a second model: weights + gradients + AdamW"
+    out.append(Component("critic model", w // n, ("static",), note))
+    out.append(Component("critic activations", policy_acts, ("update",), "forward/backward alongside the policy's"))
+
+
+def _rollout(m: ModelShape, s: PlanInput, out: list[Component], notes: list[str]) -> None:
+    """Sampling with the hf engine (KV cache in the trainer's memory) or vLLM (its own budget)."""
+    n, b = s.world_size, s.act_bytes
+    rows = math.ceil(s.group_size * s.prompts_per_step / n)
+    gen_rows = min(s.rollout_batch_size or rows, rows)
+    prompt_len = s.seq_len - s.completion_len
+    kv_per_token = 2 * m.layers * m.kv_heads * m.head_dim * b
+    kv = kv_per_token * s.seq_len * gen_rows
+    phase = ("rollout",) if s.engine == "hf" else ("static",)
+    where = "in the trainer's memory" if s.engine == "hf" else "vLLM's own KV budget (set gpu_memory_utilization)"
+    out.append(Component("rollout KV cache", kv, phase,
+                         f"2 x {m.layers} layers x {m.kv_heads} kv heads x {m.head_dim} x {s.seq_len} tokens x "
+                         f"{gen_rows} seqs x {b} B, {where}"))
+    if s.engine == "vllm":
+        out.append(Component("vLLM weights copy", m.params() * 2, ("static",), "the engine's own bf16 weights"))
+        notes.append("vLLM reserves gpu_memory_utilization x device memory up front; set it to cover its rows "
+                     "above, not the default 0.9, when it shares the GPU with the trainer")
+        return
+    # The prefill's cache stays referenced while the lean decoder copies it into preallocated buffers;
+    # dropping finished rows copies the key buffers (then the value buffers) once more.
+    out.append(Component("hf engine cache copies", kv_per_token * gen_rows * (2 * prompt_len + s.seq_len) // 2,
+                         ("rollout",), "prefill cache kept while decoding + keys copied when rows finish"))
+    if s.fast_decode:
+        linear = {k: a * c for k, (a, c) in m.linear_shapes().items()}
+        fused = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+        copied = sum(linear.values()) if s.lora else sum(linear[k] for k in fused)
+        out.append(Component("fast-decode fused weights", m.layers * copied * DTYPE_BYTES[s.param_dtype], ("rollout",),
+                             "q|k|v and gate|up concatenated" + (", LoRA merged into every linear" if s.lora else "")))
+    prefill = gen_rows * prompt_len * (4 * m.hidden + 3 * m.intermediate) * b + 5 * gen_rows * m.vocab * 4
+    out.append(Component("prefill + sampling working set", prefill, ("rollout",),
+                         "one layer at a time; [rows, V] probs"))
+    if n > 1:
+        out.append(Component("gathered weights for sampling", m.params() * DTYPE_BYTES[s.param_dtype], ("rollout",),
+                             "the hf engine samples with full (unsharded) weights on each rank"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Verdict and advice
+
+
+def device_capacity(device: str | None = None, memory_gb: float | None = None) -> tuple[str, int]:
+    """(label, bytes) of a known device name (case and spaces ignored) or of `memory_gb` GiB."""
+    if memory_gb is not None:
+        if memory_gb <= 0:
+            raise ValueError(f"memory must be positive, got {memory_gb} GiB")
+        return f"{memory_gb:g} GiB", int(memory_gb * GiB)
+    key = (device or "H100 80GB").replace(" ", "").lower()
+    for name, mib in DEVICES_MIB.items():
+        if name.replace(" ", "").lower() == key:
+            return name, mib * 2**20
+    raise ValueError(f"unknown device {device!r}; known: {', '.join(DEVICES_MIB)} (or give the memory in GiB)")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    device: str
+    capacity: int
+    total: int
+
+    @property
+    def usable(self) -> int:
+        """What a training process can count on: the CUDA context and the allocator's slack excluded."""
+        return int((self.capacity - CUDA_CONTEXT) * (1 - FRAGMENTATION))
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.usable
+
+    def text(self) -> str:
+        gap = (self.usable - self.total) / GiB
+        head = f"{self.device}: {self.capacity / GiB:.1f} GiB, about {self.usable / GiB:.1f} GiB usable"
+        if self.fits:
+            return f"fits on {head}; {gap:.1f} GiB headroom"
+        return f"does NOT fit on {head}; {-gap:.1f} GiB short"
+
+
+@dataclass(frozen=True)
+class Advice:
+    change: str
+    total: int  # the plan's peak with this change
+    fits: bool
+
+
+def advise(model_config: Any, setting: PlanInput, capacity: int) -> list[Advice]:
+    """Each single change that lowers the peak, with the peak it gives, largest effect first."""
+    s = setting
+    options: list[tuple[str, PlanInput]] = []
+    if not s.lora:
+        options.append((f"LoRA (r={s.lora_r}, all linear layers)", replace(s, lora=True)))
+    if not s.gradient_checkpointing:
+        options.append(("gradient checkpointing", replace(s, gradient_checkpointing=True)))
+    if s.precision == "fp32":
+        options.append(("bf16 weights (model.dtype=bf16)", replace(s, precision="bf16", param_dtype="bf16")))
+    if s.micro_batch_size > 1:
+        micro = s.micro_batch_size // 2
+        options.append((f"micro-batch {s.micro_batch_size} -> {micro} (same batch, accumulated)",
+                        replace(s, micro_batch_size=micro, batch_size=s.batch_size or s.micro_batch_size)))
+    if s.online and s.group_size > 2:
+        g = max(2, s.group_size // 2)
+        options.append((f"group size G {s.group_size} -> {g}", replace(
+            s, group_size=g, batch_size=None if s.batch_size is None else max(1, s.batch_size * g // s.group_size),
+            micro_batch_size=max(1, min(s.micro_batch_size, s.micro_batch_size * g // s.group_size)))))
+    rows = s.group_size * s.prompts_per_step
+    if s.online and s.engine == "hf" and (s.rollout_batch_size or rows) > 1:
+        half = max(1, (s.rollout_batch_size or rows) // 2)
+        options.append((f"generate {half} sequences at a time (rollout.batch_size)",
+                        replace(s, rollout_batch_size=half)))
+    options.append((f"{s.world_size * 2} ranks (FSDP sharding)", replace(s, world_size=s.world_size * 2)))
+    if s.seq_len > 2:
+        seq = s.seq_len // 2
+        options.append((f"max length {s.seq_len} -> {seq} tokens",
+                        replace(s, seq_len=seq, completion_len=max(1, s.completion_len * seq // s.seq_len))))
+    base = plan_memory(model_config, s).total
+    out = []
+    for change, new in options:
+        total = plan_memory(model_config, new).total
+        if total < base:
+            out.append(Advice(change, total, Verdict("", capacity, total).fits))
+    return sorted(out, key=lambda a: a.total)

@@ -1,0 +1,155 @@
+"""The memory planner's arithmetic on Qwen2.5-7B (config.json written by hand) and a tiny config,
+its verdict and advice, and `rlft plan` on a config file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from rlft.plan import (GiB, ModelShape, PlanInput, Verdict, advise, device_capacity, layer_activation_bytes,
+                       plan_memory)
+
+QWEN7B = Path(__file__).parent / "fixtures" / "qwen2.5-7b"
+
+
+@pytest.fixture(scope="module")
+def qwen7b() -> dict:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(QWEN7B).to_dict()  # what `rlft plan` reads: config.json only
+
+
+def by_name(plan) -> dict[str, int]:
+    return {c.name: c.bytes for c in plan.components}
+
+
+def test_qwen7b_parameter_counts(qwen7b):
+    m = ModelShape.from_config(qwen7b)
+    # per layer: q 3584*3584 + 3584 bias, k and v 3584*512 + 512 each, o 3584*3584,
+    # MLP 3 * 3584*18944, two norms 2*3584
+    layer = 12_845_056 + 3_584 + 2 * (1_835_008 + 512) + 12_845_056 + 203_685_888 + 7_168
+    assert m.layer_params() == layer == 233_057_792
+    # untied: embedding and lm_head 152064*3584 each, plus the final norm
+    assert m.params() == 28 * layer + 2 * 544_997_376 + 3_584 == 7_615_616_512
+    # LoRA r=16 on all 7 linears: 16 * (in + out) summed per layer = 1,441,792
+    per_layer = 16 * (2 * 7168 + 2 * 4096 + 3 * 22528)
+    assert per_layer == 1_441_792
+    assert m.lora_params(16, "all-linear") == 28 * per_layer == 40_370_176
+    assert m.lora_params(16, ("q_proj", "v_proj")) == 28 * 16 * (7168 + 4096)
+
+
+def test_qwen7b_static_memory_matches_the_reference_figures(qwen7b):
+    p = 7_615_616_512
+    full = plan_memory(qwen7b, PlanInput(method="sft", precision="fp32", param_dtype="fp32"))
+    parts = by_name(full)
+    # weights 4 B + gradients 4 B + AdamW 2 x 4 B = 16 B per parameter: "~112 GB" for a 7B model
+    assert parts["weights"] + parts["gradients"] + parts["AdamW states"] == 16 * p
+    mixed = by_name(plan_memory(qwen7b, PlanInput(method="sft", precision="bf16-mixed", param_dtype="bf16")))
+    assert mixed["weights (fp32 master)"] + mixed["gradients"] + mixed["AdamW states"] == 16 * p
+    assert mixed["weights (bf16/fp16 working copy)"] == 2 * p
+    lora = by_name(plan_memory(qwen7b, PlanInput(method="sft", lora=True)))
+    static = lora["weights (frozen base)"] + lora["LoRA weights"] + lora["LoRA gradients"] + lora["LoRA AdamW states"]
+    # bf16 base 2 B x 7.62B + fp32 adapters 16 B x 40.4M = 15.88e9 B: "~16 GB"
+    assert static == 2 * p + 16 * 40_370_176 == 15_877_155_840
+
+
+def test_kv_cache_and_phases(qwen7b):
+    s = PlanInput(method="online", micro_batch_size=4, batch_size=32, seq_len=1536, completion_len=1024,
+                  group_size=8, prompts_per_step=4, reference=True)
+    plan = plan_memory(qwen7b, s)
+    # 2 (K and V) x 28 layers x 4 kv heads x 128 head dim x 1536 tokens x 32 sequences x 2 B
+    assert by_name(plan)["rollout KV cache"] == 2 * 28 * 4 * 128 * 1536 * 32 * 2 == 2_818_572_288
+    phases = plan.phases
+    assert set(phases) == {"update", "rollout", "optimizer"}
+    assert plan.total == max(phases.values())
+    # the peak is a max over phases, never the sum of everything
+    assert plan.total < sum(c.bytes for c in plan.components)
+    half = plan_memory(qwen7b, PlanInput(**{**s.__dict__, "rollout_batch_size": 16}))
+    assert by_name(half)["rollout KV cache"] == by_name(plan)["rollout KV cache"] // 2
+
+
+def test_layer_activations_hand_computed():
+    tiny = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=4, vocab_size=512, model_type="qwen2")
+    m = ModelShape.from_config(tiny)
+    s = PlanInput(method="sft", precision="fp32", param_dtype="fp32", device_type="cpu")
+    # fp32, sdpa, T = 64, per token: 2 norms x (4H input + 4 rsqrt + 4H normalised) = 2 x 1028
+    # + q, k, v, out 4 x 4H = 2048 + lse 4 x 4 heads = 16 + mask 4T = 256
+    # + gate, silu, up 3 x 4I = 4608 + linear inputs 4H + 4H + 4I = 2560  -> 11544 B
+    # (the same figure LiveTensorTracker measures for one transformers Qwen2 layer on CPU)
+    assert layer_activation_bytes(m, s, 64) == 2 * 1028 + 2048 + 16 + 256 + 4608 + 2560 == 11544
+    eager = PlanInput(method="sft", precision="fp32", param_dtype="fp32", attention="eager")
+    # eager: q, k, v 3 x 4H + [heads, T] fp32 softmax 4 x 4 x 64 + o_proj's contiguous input 4H
+    assert layer_activation_bytes(m, eager, 64) == 2 * 1028 + 1536 + 1024 + 4608 + 2560 + 512 == 12296
+
+
+def test_changes_move_the_plan_the_right_way(qwen7b):
+    base = PlanInput(method="sft", micro_batch_size=4, batch_size=16, seq_len=2048, completion_len=1024)
+    total = plan_memory(qwen7b, base).total
+    for change in (dict(lora=True), dict(gradient_checkpointing=True), dict(micro_batch_size=2),
+                   dict(world_size=2), dict(seq_len=1024, completion_len=512)):
+        assert plan_memory(qwen7b, PlanInput(**{**base.__dict__, **change})).total < total, change
+    sharded = by_name(plan_memory(qwen7b, PlanInput(**{**base.__dict__, "world_size": 4})))
+    assert sharded["AdamW states"] == by_name(plan_memory(qwen7b, base))["AdamW states"] // 4
+    # a reference model is free under LoRA (adapters disabled), a full copy otherwise
+    assert "reference model" in by_name(plan_memory(qwen7b, PlanInput(method="dpo", reference=True)))
+    assert "reference model" not in by_name(plan_memory(qwen7b, PlanInput(method="dpo", reference=True, lora=True)))
+
+
+def test_verdict_and_advice(qwen7b):
+    label, capacity = device_capacity("h100 80gb")
+    assert label == "H100 80GB" and capacity == 81559 * 2**20
+    s = PlanInput(method="sft", micro_batch_size=4, batch_size=16, seq_len=2048, completion_len=1024)
+    plan = plan_memory(qwen7b, s)
+    verdict = Verdict(label, capacity, plan.total)
+    assert not verdict.fits and "does NOT fit" in verdict.text()
+    advice = advise(qwen7b, s, capacity)
+    totals = [a.total for a in advice]
+    assert totals == sorted(totals) and all(t < plan.total for t in totals)
+    assert {"gradient checkpointing", "LoRA (r=16, all linear layers)"} <= {a.change for a in advice}
+    assert not any(a.fits for a in advice)  # a 7B full fine-tune needs more than one change on 80 GB
+    lora = PlanInput(**{**s.__dict__, "lora": True})
+    assert not Verdict(label, capacity, plan_memory(qwen7b, lora).total).fits
+    assert any(a.fits and a.change == "gradient checkpointing" for a in advise(qwen7b, lora, capacity))
+    assert Verdict("x", 200 * GiB, plan.total).fits
+    assert device_capacity(None, 24)[1] == 24 * GiB
+    with pytest.raises(ValueError, match="unknown device"):
+        device_capacity("TPU v9")
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(ValueError, match="param_dtype"):
+        PlanInput(precision="fp32", param_dtype="bf16")
+    with pytest.raises(ValueError, match="completion_len"):
+        PlanInput(seq_len=10, completion_len=20)
+    with pytest.raises(ValueError, match="hidden_size"):
+        ModelShape.from_config({"model_type": "gpt2", "n_embd": 768})
+    with pytest.raises(ValueError, match="unknown LoRA target"):
+        ModelShape.from_config(dict(hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                    num_attention_heads=2, vocab_size=10)).lora_params(4, ("c_attn",))
+
+
+def test_rlft_plan_command(tmp_path):
+    from rlft.cli_plan import plan_input_from_config, register
+    from rlft.config import load_config
+
+    cfg = {"method": "grpo", "output_dir": str(tmp_path / "run"), "model": {"path": str(QWEN7B), "dtype": "bf16"},
+           "data": {"train": "prompts.jsonl", "max_prompt_length": 512},
+           "rollout": {"group_size": 8, "prompts_per_step": 4, "max_new_tokens": 1024},
+           "algorithm": {"micro_batch_size": 4}, "rewards": [{"fn": "math"}], "lora": {"enabled": True}}
+    path = tmp_path / "grpo.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    setting = plan_input_from_config(load_config(path))
+    assert (setting.method, setting.seq_len, setting.completion_len, setting.micro_batch_size,
+            setting.batch_size, setting.reference, setting.lora) == ("online", 1536, 1024, 4, 32, True, True)
+    app = typer.Typer()
+    app.command("noop")(lambda: None)  # a second command keeps `plan` a subcommand
+    register(app)
+    result = CliRunner().invoke(app, ["plan", str(path), "--device", "L4 24GB"])
+    assert result.exit_code == 0, result.output
+    assert "rollout KV cache" in result.output and "L4 24GB" in result.output
+    assert "does NOT fit on L4 24GB" in result.output and "gradient checkpointing" in result.output
