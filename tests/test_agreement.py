@@ -7,7 +7,7 @@ import math
 import pytest
 
 from rlft.data.agreement import agreement, krippendorff_alpha_nominal, percent_agreement, read_labels
-from rlft.data.loading import Row
+from rlft.data.readers import Row
 from rlft.errors import DataError
 
 UNITS = [

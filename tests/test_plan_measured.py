@@ -74,8 +74,8 @@ def data(tmp_path_factory):
 
 
 def _measure(config: dict) -> tuple[int, dict[str, int]]:
-    import rlft.train.offline as offline
-    import rlft.train.online as online
+    import rlft.training.offline as offline
+    import rlft.training.online as online
     from rlft.rollout.hf import HFEngine
 
     tracker = LiveTensorTracker()
@@ -101,8 +101,8 @@ def _check(plan, measured: int, phases: dict[str, int]) -> None:
 
 def test_plan_matches_measured_sft_peak(qwen_path, data, tmp_path):
     from rlft.config import ModelConfig
-    from rlft.data.loading import read_rows
-    from rlft.data.sft import make_sft_encoder
+    from rlft.data.readers import read_rows
+    from rlft.data.sft_examples import make_sft_encoder
     from rlft.models.loading import load_tokenizer
     from rlft.models.template import end_of_turn_ids
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from rlft.data.loading import Row
+from rlft.data.readers import Row
 from rlft.data.prompts import PromptExample
 from rlft.data.sampled_pairs import best_and_worst, sample_pairs, write_pairs
 
@@ -60,7 +60,7 @@ def test_pairs_and_skip_counts():
 
 def test_rows_are_rlft_preference_rows(tmp_path, qwen_path):
     from rlft.config import ModelConfig
-    from rlft.data.preference import make_preference_encoder
+    from rlft.data.pairs import make_preference_encoder
     from rlft.models.loading import load_tokenizer
     from rlft.models.template import end_of_turn_ids
 
@@ -89,7 +89,7 @@ def test_rlft_data_pairs_command(tmp_path, qwen_path, monkeypatch):
     from rlft.config import ModelConfig
     from rlft.models.loading import load_tokenizer
     from rlft.models.template import encode_prompt
-    from rlft.rewards.base import Scores
+    from rlft.rewards.scoring import Scores
 
     tok = load_tokenizer(ModelConfig(path=str(qwen_path)))
     index = {tuple(encode_prompt(tok, [{"role": "user", "content": f"question {i}"}])): i for i in range(5)}

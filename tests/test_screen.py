@@ -10,10 +10,10 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from rlft.data.loading import read_rows
+from rlft.data.readers import read_rows
 from rlft.data.prompts import PromptExample
 from rlft.data.screen import pass_rate_histogram, screen_prompts, write_screen
-from rlft.rewards.base import Scores
+from rlft.rewards.scoring import Scores
 
 K = 10
 # prompt i is solved by its first SOLVED[i] samples of 10: pass rates 0, 0.1, 0.5, 0.9, 1.0, 0.3

@@ -89,8 +89,10 @@ def eval(
     max_new_tokens: Optional[int] = typer.Option(None, help="Longest completion."),
     split: str = typer.Option("train", help="Split for hf: datasets."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write per-completion records (JSONL) here."),
+    engine: str = typer.Option("hf", "--engine", help="Generation engine: hf, or vllm (rollout.vllm settings "
+                                                       "from --config or the run)."),
 ) -> None:
-    from rlft.config import EvalConfig, RewardSpec, load_config, validate_flags
+    from rlft.config import EvalConfig, RewardSpec, VllmSettings, check_vllm_sampling, load_config, validate_flags
     from rlft.eval.run import evaluate_model, resolve_model, run_settings, save_run_eval, summary_rows, write_records
 
     _, run_dir = resolve_model(target)
@@ -104,8 +106,17 @@ def eval(
                                       max_new_tokens=max_new_tokens).items() if v is not None}
     # the flags get the config fields' checks (model_copy would take them unchecked)
     cfg = validate_flags(EvalConfig, {**cfg.model_dump(), **updates}, EVAL_FLAGS, "eval.")
+    if engine not in ("hf", "vllm"):
+        raise RlftError(f"--engine must be hf or vllm, got {engine!r}")
+    if engine == "vllm":
+        try:
+            check_vllm_sampling(cfg.temperature, 1.0, 0, "--temperature")
+        except ValueError as exc:
+            raise RlftError(str(exc)) from None
+    vllm = settings.rollout.vllm if settings is not None else VllmSettings()
     result = evaluate_model(target, data, rewards, cfg, split=split, seed=seed, max_prompt_length=max_prompt,
-                            scoring=scoring, **({"max_row_bytes": max_row_bytes} if max_row_bytes else {}))
+                            scoring=scoring, engine=engine, vllm=vllm,
+                            **({"max_row_bytes": max_row_bytes} if max_row_bytes else {}))
     if out is not None:
         write_records(result, out)
     if run_dir is not None:
@@ -143,10 +154,13 @@ def tiny_model(
 def demo(
     out_dir: Path = typer.Option(Path("demo-output"), "--out", help="Where data, runs and results.json go."),
     seed: int = typer.Option(0, help="Seed for data, model and training."),
+    engine: str = typer.Option("hf", "--engine", help="GRPO rollout engine: hf, or vllm (needs vLLM installed)."),
 ) -> None:
     from rlft.demo import DemoSettings, run_demo
 
-    run_demo(out_dir, DemoSettings(seed=seed))
+    if engine not in ("hf", "vllm"):
+        raise RlftError(f"--engine must be hf or vllm, got {engine!r}")
+    run_demo(out_dir, DemoSettings(seed=seed, engine=engine))
 
 
 @app.command("config-help", help="List every config field with its default and meaning.")

@@ -27,7 +27,7 @@ class Plumbing(Protocol):
         """k completions per prompt, grouped by prompt (as `Engine.generate`)."""
 
     def rewards(self, examples: Sequence[Any], texts: Sequence[str]) -> Any:
-        """`rlft.rewards.base.Scores` of completion i of prompt examples[i]."""
+        """`rlft.rewards.scoring.Scores` of completion i of prompt examples[i]."""
 
 
 class ModelPlumbing:
@@ -35,16 +35,14 @@ class ModelPlumbing:
 
     def __init__(self, config: Any):
         from rlft.models.loading import load_policy
-        from rlft.rewards.base import RewardScorer
-        from rlft.rollout import build_engine, sampling_params
-        from rlft.rollout.hf import generation_stop_ids
+        from rlft.rewards.scoring import RewardScorer
+        from rlft.rollout import rollout_engine, sampling_params
 
         if not config.rewards:
             raise ConfigError("rlft data: the config has no rewards; add e.g. rewards: [{fn: math}]")
         policy = load_policy(config.model, config.lora)
         self.tokenizer = policy.tokenizer
-        self.engine = build_engine(config.rollout, policy, generation_stop_ids(policy.model, policy.tokenizer),
-                                   config.seed)
+        self.engine = rollout_engine(config.rollout, policy, config.seed)
         self.params = sampling_params(config.rollout)
         self.scorer = RewardScorer(config.rewards, config.scoring.max_workers)
         self.required = self.scorer.required_fields
@@ -54,9 +52,9 @@ class ModelPlumbing:
         return self.engine.generate(prompt_ids_list, replace(self.params, n=k))
 
     def rewards(self, examples: Sequence[Any], texts: Sequence[str]) -> Any:
-        from rlft.rewards.base import scoring_row
+        from rlft.rewards.scoring import scoring_row
 
-        rows = [scoring_row(e.fields, "stop", 0, self.params.max_new_tokens) for e in examples]
+        rows = [scoring_row(e.fields, "stop", 0, self.params.max_new_tokens, e.messages, e.rendered) for e in examples]
         return self.scorer.score([e.prompt_text for e in examples], list(texts), rows)
 
 
@@ -66,7 +64,7 @@ default_plumbing: Callable[[Any], Plumbing] = ModelPlumbing
 
 def _prompts(config: Any, plumbing: Plumbing) -> tuple[list[Any], list[Any]]:
     """(rows, examples) of `data.train`, aligned: rows dropped by validation are dropped from both."""
-    from rlft.data.loading import read_rows
+    from rlft.data.readers import read_rows
     from rlft.data.prompts import make_prompt_encoder
     from rlft.data.validate import check_rows
 
@@ -152,7 +150,7 @@ def pairs(
 def agreement_cmd(data: str = typer.Argument(..., help="Preference rows with a 'labels' list per row.")) -> None:
     """Percent agreement and Krippendorff's alpha of annotators' labels."""
     from rlft.data.agreement import agreement, read_labels
-    from rlft.data.loading import read_rows
+    from rlft.data.readers import read_rows
 
     rows = read_rows(data)
     bad = [r for r in rows if r.data is None]

@@ -86,6 +86,27 @@ class TrainingConfig(Section):
         3, ge=1, description="Stop after this many consecutive steps skipped for a non-finite loss/grad norm.")
 
 
+class VllmSettings(Section):
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="Engine weight dtype; 'auto': the trainer's (model.dtype).")
+    kv_cache_bytes: int | None = Field(
+        None, ge=1, description="KV-cache size in bytes; None: gpu_memory_utilization decides on GPU, 1 GiB on CPU.")
+    gpu_memory_utilization: float = Field(
+        0.3, gt=0, le=1, description="GPU memory fraction vLLM may take (weights + KV cache); the trainer shares the GPU.")
+    enforce_eager: bool | None = Field(
+        None, description="Run without CUDA graphs / compilation; None: eager on CPU, graphs on GPU.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one engine shards the model over (needs in_process=false).")
+    in_process: bool = Field(
+        True, description="Run vLLM's engine core in the trainer's process (fast weight push); false: worker processes.")
+    sleep: bool = Field(
+        False, description="GPU only: free the engine's KV cache and offload its weights while the trainer updates.")
+    max_model_len: int | None = Field(
+        None, ge=1, description="Longest prompt + completion the engine accepts; None: the checkpoint's limit.")
+    lora_sync: Literal["merged", "adapter"] = Field(
+        "merged", description="LoRA: push the merged weights (plain model, faster rollouts on CPU) or the adapter "
+                              "as a new LoRA request (vLLM's LoRA kernels; a cheaper push for large models).")
+
+
 class RolloutConfig(Section):
     engine: Literal["hf", "vllm"] = Field("hf", description="Generation engine for rollouts.")
     group_size: int = Field(8, description="Completions sampled per prompt (G); at least 2.")
@@ -98,6 +119,28 @@ class RolloutConfig(Section):
     batch_size: int | None = Field(None, ge=1, description="Sequences generated per forward (default: all at once).")
     fast_decode: bool = Field(
         True, description="hf engine: lean decode step for Llama/Qwen2/Mistral (falls back to the model's forward).")
+    vllm: VllmSettings = Field(default_factory=VllmSettings, description="rollout.engine=vllm settings.")
+
+    @model_validator(mode="after")
+    def _vllm_sampling(self) -> "RolloutConfig":
+        if self.engine == "vllm":
+            check_vllm_sampling(self.temperature, self.top_p, self.top_k, "rollout")
+        return self
+
+
+# vLLM's largest accepted temperature
+VLLM_MAX_TEMPERATURE = 2.0
+
+
+def check_vllm_sampling(temperature: float, top_p: float, top_k: int, where: str) -> None:
+    """What the vLLM engine cannot do the way the trainer needs it (see rlft.rollout.vllm_engine)."""
+    if temperature > 0 and (top_p < 1.0 or top_k):
+        raise ValueError(f"{where}: the vLLM engine reports log-probs renormalised over the top-p / top-k tokens, "
+                         "which differ from the trainer's log_softmax(logits / temperature); set top_p=1.0 and "
+                         "top_k=0, or use rollout.engine=hf")
+    if temperature > VLLM_MAX_TEMPERATURE:
+        raise ValueError(f"{where}.temperature={temperature}: the vLLM engine accepts at most "
+                         f"{VLLM_MAX_TEMPERATURE} (vLLM's limit); lower it or use rollout.engine=hf")
 
 
 AdvantageName = Literal["group_norm", "group_mean", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"]
@@ -344,6 +387,8 @@ class Config(Section):
                     f"algorithm.kl_target={a.kl_target} adapts beta multiplicatively, but beta starts at "
                     f"algorithm.kl_coef={a.kl_coef} (the {self.method} preset) and would stay 0. Set a starting "
                     "value, e.g. algorithm.kl_coef=0.01, or drop kl_target")
+            if self.rollout.engine == "vllm":  # evaluations during training sample on the same engine
+                check_vllm_sampling(self.eval.temperature, 1.0, 0, "eval")
             if a.loss_agg == "constant" and a.loss_constant is None:
                 self.algorithm.loss_constant = self.rollout.max_new_tokens
         return self

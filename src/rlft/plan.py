@@ -40,7 +40,7 @@ from typing import Any, Literal
 GiB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LOGPROB_CHUNK_ROWS = 16  # rlft.train.logprobs computes log-softmax in row chunks of this size
+LOGPROB_CHUNK_ROWS = 16  # rlft.models.forward computes log-softmax in row chunks of this size
 
 # Total memory as nvidia-smi reports it (MiB); the first GiB is left for the CUDA context.
 DEVICES_MIB = {
@@ -145,6 +145,13 @@ class PlanInput:
     fast_decode: bool = True  # hf engine: fused copies of the projection weights while sampling
     device_type: Literal["cuda", "cpu"] = "cuda"  # kernels: fused dropout and foreach AdamW on cuda
 
+    @property
+    def dropout_active(self) -> bool:
+        """rlft turns dropout off for methods that compare the policy with itself (online RL's
+        importance ratio, DPO's log-ratios to the reference): LoRA dropout costs memory in SFT and
+        reward-model training only."""
+        return self.lora_dropout > 0 and self.method in ("sft", "reward_model")
+
     def __post_init__(self) -> None:
         pure = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}.get(self.precision)
         if pure and pure != self.param_dtype:
@@ -247,9 +254,9 @@ def _linear_input_bytes(s: PlanInput, fan_in: int, readers: tuple[str, ...]) -> 
         return 0
     cast = b < 4
     per_reader, shared = 4 * s.lora_r, 0
-    if s.lora_dropout > 0 and s.device_type == "cuda":
+    if s.dropout_active and s.device_type == "cuda":
         per_reader += 5 * fan_in
-    elif s.lora_dropout > 0:
+    elif s.dropout_active:
         per_reader += 8 * fan_in
     elif cast:
         per_reader += 4 * fan_in

@@ -3,7 +3,7 @@
 For each prompt: sample N completions, score each (a reward function's value or a reward model's
 score; None = could not be scored), and keep the best-scored completion as `chosen` and the
 worst-scored as `rejected` when their gap exceeds `margin`. Rows come out in rlft's preference
-format (`rlft.data.preference`): `{"prompt", "chosen", "rejected", "margin"}`, where `margin` is the
+format (`rlft.data.pairs`): `{"prompt", "chosen", "rejected", "margin"}`, where `margin` is the
 score gap (reward-model training reads it as the pair's Bradley-Terry margin).
 
 A prompt is skipped, and counted, when fewer than two completions could be scored, when the gap is

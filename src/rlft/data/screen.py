@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
-from rlft.data.loading import Row
+from rlft.data.readers import Row
 from rlft.data.prompts import PromptExample
 
 

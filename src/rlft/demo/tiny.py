@@ -41,6 +41,7 @@ class DemoSettings:
     group_size: int = 8
     prompts_per_step: int = 16
     threads: int | None = None
+    engine: str = "hf"  # the GRPO rollout engine: hf, or vllm
 
 
 def _rewards() -> list[dict[str, Any]]:
@@ -64,7 +65,7 @@ def configs(out: Path, model: Path, data: dict[str, Path], s: DemoSettings) -> d
             "data": {"train": str(data["rl_prompts"])},
             "training": {"learning_rate": s.rl_lr, "max_steps": s.rl_steps, "lr_scheduler": "constant", **threads},
             "rollout": {"group_size": s.group_size, "prompts_per_step": s.prompts_per_step, "max_new_tokens": 48,
-                        "temperature": 1.0},
+                        "temperature": 1.0, "engine": s.engine},
             "algorithm": {"kl_coef": 0.0}, **common}
     return {"sft": sft, "grpo": grpo}
 

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlft.config import Config, EvalConfig, LoraConfig, ModelConfig, RewardSpec, ScoringConfig
+from rlft.config import Config, EvalConfig, LoraConfig, ModelConfig, RewardSpec, ScoringConfig, VllmSettings
 from rlft.data.readers import DEFAULT_MAX_ROW_BYTES, read_rows
 from rlft.data.prompts import make_prompt_encoder
 from rlft.data.validate import check_rows
@@ -31,7 +31,8 @@ def resolve_model(target: str | Path) -> tuple[Path, Path | None]:
 def evaluate_model(target: str | Path, data: str, rewards: list[RewardSpec], cfg: EvalConfig, *,
                    split: str = "train", seed: int = 0, max_prompt_length: int = 4096, device: str = "auto",
                    prefix: str = "eval/", scoring: ScoringConfig | None = None,
-                   max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> EvalResult:
+                   max_row_bytes: int = DEFAULT_MAX_ROW_BYTES, engine: str = "hf",
+                   vllm: VllmSettings | None = None) -> EvalResult:
     model_dir, _ = resolve_model(target)
     policy = load_policy(ModelConfig(path=str(model_dir), device=device), LoraConfig())
     sc = scoring or ScoringConfig()
@@ -40,8 +41,11 @@ def evaluate_model(target: str | Path, data: str, rewards: list[RewardSpec], cfg
                           on_error=sc.on_reward_error) if rewards else None
     encode = make_prompt_encoder(policy.tokenizer, max_prompt_length, scorer.required_fields if scorer else ())
     examples = check_rows(read_rows(data, split, max_row_bytes), encode, data, "eval prompt")
-    engine = build_engine(policy, seed, batch_size=cfg.batch_size)
-    return evaluate_prompts(engine, examples, cfg, scorer, prefix=prefix, seed=seed)
+    engine = build_engine(policy, seed, engine, batch_size=cfg.batch_size, vllm=vllm)
+    try:
+        return evaluate_prompts(engine, examples, cfg, scorer, prefix=prefix, seed=seed)
+    finally:
+        engine.close()
 
 
 def run_settings(run_dir: Path) -> Config:

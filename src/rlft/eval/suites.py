@@ -18,7 +18,7 @@ from rlft.config import EvalConfig, RewardSpec, Section
 from rlft.data.prompts import PromptExample
 from rlft.eval.generation import evaluate_prompts
 from rlft.eval.metrics import length_stats, maj_at_k, normalize_answer
-from rlft.rollout.base import Completion, SamplingParams
+from rlft.rollout.contract import Completion, SamplingParams
 
 
 class SuiteSampling(Section):
@@ -71,7 +71,7 @@ def answer_extractor(spec: str | None) -> Callable[[str], str | None] | None:
         from rlft.rewards.math import HEDGE, extract_answer
 
         return lambda text: None if (a := extract_answer(text)) == HEDGE else a
-    from rlft.rewards.base import load_user_function
+    from rlft.rewards.scoring import load_user_function
 
     return load_user_function(spec, "eval suite answer extractor")
 
@@ -87,10 +87,10 @@ class PreparedSuite:
 def prepare_suites(suites: Sequence[EvalSuite], tokenizer: Any, max_prompt_length: int,
                    on_invalid: str = "error") -> list[PreparedSuite]:
     """Read and check every suite's rows and build its rewards once, before training starts."""
-    from rlft.data.loading import read_rows
+    from rlft.data.readers import read_rows
     from rlft.data.prompts import make_prompt_encoder
     from rlft.data.validate import check_rows
-    from rlft.rewards.base import RewardScorer
+    from rlft.rewards.scoring import RewardScorer
 
     names = [s.name for s in suites]
     dupes = sorted({n for n in names if names.count(n) > 1})

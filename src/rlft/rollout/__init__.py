@@ -7,32 +7,29 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlft.config import RolloutConfig
-from rlft.errors import RlftError
+from rlft.config import RolloutConfig, VllmSettings
 from rlft.rollout.contract import Completion, Engine, SamplingParams
 
 
 def build_engine(policy: Any, seed: int, engine: str = "hf", batch_size: int | None = None,
-                 fast_decode: bool = True) -> Engine:
+                 fast_decode: bool = True, vllm: VllmSettings | None = None) -> Engine:
     """An engine that samples from `policy` (a LoadedModel), stopping where `model.generate`
     would (the chat template's end-of-turn token, EOS and the checkpoint's declared EOS ids)."""
-    if engine == "hf":
-        from rlft.rollout.hf import HFEngine, generation_stop_ids
+    from rlft.rollout.hf import HFEngine, generation_stop_ids
 
-        stop_ids = generation_stop_ids(policy.model, policy.tokenizer)
+    stop_ids = generation_stop_ids(policy.model, policy.tokenizer)
+    if engine == "hf":
         return HFEngine(policy.model, policy.tokenizer, stop_ids, policy.device, seed=seed, batch_size=batch_size,
                         fast_decode=fast_decode)
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        raise RlftError("rollout.engine=vllm needs vLLM: pip install 'rlft[vllm]' (a CUDA GPU is required); "
-                        "or use rollout.engine=hf") from None
-    raise RlftError("rollout.engine=vllm is not available in this version; use rollout.engine=hf")
+    # imports vLLM only now: a missing vLLM is one RlftError with the install hint
+    from rlft.rollout.vllm_engine import VLLMEngine
+
+    return VLLMEngine(policy, stop_ids, seed, vllm)
 
 
 def rollout_engine(cfg: RolloutConfig, policy: Any, seed: int) -> Engine:
     """The training run's engine, as `rollout` configures it."""
-    return build_engine(policy, seed, cfg.engine, cfg.batch_size, cfg.fast_decode)
+    return build_engine(policy, seed, cfg.engine, cfg.batch_size, cfg.fast_decode, cfg.vllm)
 
 
 def sampling_params(cfg: RolloutConfig) -> SamplingParams:

@@ -184,7 +184,15 @@ class HFEngine:
         return {"generator": self.generator.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "generator" not in state:
+            from rlft.errors import ResumeError
+
+            raise ResumeError("the checkpoint's rollout state was written by another engine (rollout.engine changed "
+                              "since it was saved); resume with the same rollout.engine, or start a new run")
         self.generator.set_state(state["generator"])
+
+    def close(self) -> None:
+        """Nothing to free: the engine samples with the trainer's own model."""
 
 
 class _ModelDecoder:

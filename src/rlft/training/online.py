@@ -119,6 +119,7 @@ def _train(config: Config, session: TrainingSession) -> dict[str, Any]:
     finally:
         session.close_display()
         session._restore_signal_handlers()  # also when an error ends the run (a notebook keeps its Ctrl-C)
+        engine.close()
     train_summary = {f"train/{k}": v for k, v in last.items() if k in ("reward/mean", "kl", "entropy")}
     summary = session.finish({**train_summary, **eval_metrics})
     if critic is not None and summary["status"] == "completed":

