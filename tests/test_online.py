@@ -349,8 +349,8 @@ def test_drift_is_read_before_any_update_and_warns_only_on_engine_mismatch(setup
         engine = real(cfg, policy, seed)
         generate = engine.generate
 
-        def shifted(prompts, params):
-            out = generate(prompts, params)
+        def shifted(prompts, params, first_prompt=0):
+            out = generate(prompts, params, first_prompt)
             for c in out:
                 c.logprobs = [lp - 0.5 for lp in c.logprobs]
             return out

@@ -131,3 +131,19 @@ def test_select_trims_padding_without_changing_logprobs(policy):
         part, _ = completion_logprobs(policy.model, sub.input_ids, sub.attention_mask, sub.completion_len)
     m = sub.completion_mask
     torch.testing.assert_close(part[m], full[:2, : sub.completion_len][m], atol=2e-5, rtol=1e-4)
+
+
+def test_a_completion_is_the_same_in_any_batch_and_on_any_rank(policy):
+    """Each completion samples from its own stream (run seed, call, global index): p1's samples are
+    the same generated beside p0, alone as the second prompt of a step (a rank's share), or in
+    micro-batches of 3 -- the property that makes N ranks sample what one process does."""
+    prompts = _prompts(policy, ["What is 2 + 3?", "Count to five, slowly."])
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=10)
+    together = _engine(policy, seed=3).generate(prompts, params)
+    alone = _engine(policy, seed=3).generate(prompts[1:], params, first_prompt=1)
+    chunked = _engine(policy, seed=3, batch_size=3).generate(prompts, params)
+    assert [c.completion_ids for c in together[4:]] == [c.completion_ids for c in alone]
+    assert [c.completion_ids for c in together] == [c.completion_ids for c in chunked]
+    assert len({tuple(c.completion_ids) for c in together}) > 4  # and the samples do differ
+    other_seed = _engine(policy, seed=4).generate(prompts, params)
+    assert [c.completion_ids for c in other_seed] != [c.completion_ids for c in together]

@@ -21,7 +21,7 @@ from rlft.models.loading import load_policy
 from rlft.rollout.contract import SamplingParams
 from rlft.rollout.batch import RolloutBatch
 from rlft.rollout.hf import HFEngine, generation_stop_ids
-from rlft.rollout.vllm_engine import VLLMEngine, VllmSettings, request_seed
+from rlft.rollout.vllm_engine import VLLMEngine, VllmSettings
 from rlft.models.forward import completion_logprobs
 
 TOL = 1e-4  # float32 engine vs float32 trainer; observed ~1e-6
@@ -207,13 +207,28 @@ def test_resume_and_isolated_rng(full, prompts):
     engine.load_state_dict({**state, "seed": state["seed"] + 1})
     assert ids_of(engine.generate(prompts, params)) != first  # another run seed, another stream
     with pytest.raises(ResumeError, match="rollout.engine"):  # an HF engine's state
-        engine.load_state_dict({"generator": torch.Generator().get_state()})
+        engine.load_state_dict({**state, "engine": "hf"})
 
 
-def test_request_seeds_are_stable_and_distinct():
+def test_stream_seeds_are_stable_and_distinct():
+    from rlft.rollout.seeds import stream_seed
+
     # a stable hash (not Python's salted hash()): the same run seed gives the same stream in a new process
-    assert request_seed(0, "train", 3) == request_seed(0, "train", 3) < 2 ** 56
-    assert len({request_seed(s, st, c) for s in (0, 1) for st in ("train", "isolated") for c in range(50)}) == 200
+    assert stream_seed(0, "train", 3) == stream_seed(0, "train", 3) < 2 ** 56
+    assert len({stream_seed(s, st, c, i) for s in (0, 1) for st in ("train", "isolated") for c in range(25)
+                for i in range(2)}) == 200
+
+
+def test_a_prompt_gets_the_same_samples_wherever_it_is_generated(full, prompts):
+    """The seed of a request follows the prompt's global index: generating prompts [a, b] together,
+    or b alone as the second prompt (a rank's share), gives b the same completions."""
+    engine = full[1]
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=8)
+    state = engine.state_dict()
+    together = engine.generate(prompts[:2], params)
+    engine.load_state_dict(state)
+    alone = engine.generate(prompts[1:2], params, first_prompt=1)
+    assert [c.completion_ids for c in together[3:]] == [c.completion_ids for c in alone]
 
 
 def test_unsupported_sampling_is_refused(full, prompts):

@@ -22,13 +22,21 @@ def train(config: Config | dict[str, Any] | str | Path, overrides: list[str] | N
     """Train as the config says; continues from the newest checkpoint if `output_dir` has one.
     Returns the run's summary (also written to `output_dir/summary.json`)."""
     cfg = _as_config(config, overrides)
+    from rlft.models.loading import resolve_device
+    from rlft.training.distributed import init_world, local_device
+
+    # under torchrun: this process's rank (its own GPU, or gloo on CPU); else a single process
+    world = init_world(resolve_device(cfg.model.device).type, cfg.training.dist_timeout_s)
+    if world.active:
+        model = cfg.model.model_copy(update={"device": local_device(cfg.model.device, world)})
+        cfg = cfg.model_copy(update={"model": model})
     if cfg.is_online:
         from rlft.training.online import run_online
 
-        return run_online(cfg)
+        return run_online(cfg, world)
     from rlft.training.offline import run_offline
 
-    return run_offline(cfg)
+    return run_offline(cfg, world=world)
 
 
 def resume(run_dir: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:

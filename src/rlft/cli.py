@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -22,9 +23,13 @@ def train(
     config: Optional[Path] = typer.Argument(None, help="Config YAML."),
     overrides: Optional[List[str]] = typer.Argument(None, help="Overrides: section.key=value ..."),
     resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in this directory."),
+    nproc: Optional[int] = typer.Option(None, "--nproc", min=1, help="Train data-parallel on N processes of this "
+                                        "machine (starts torchrun: one process per GPU, or N CPU processes)."),
 ) -> None:
     from rlft import api
 
+    if nproc is not None and nproc > 1:
+        _launch_torchrun(nproc)  # re-runs this command under torchrun; does not return
     if resume is not None:
         extra = ([str(config)] if config else []) + list(overrides or [])
         summary = api.resume(resume, extra)
@@ -32,11 +37,22 @@ def train(
         raise RlftError("give a config file (rlft train CONFIG.yaml) or --resume RUN_DIR")
     else:
         summary = api.train(config, list(overrides or []))
-    _print_summary(summary)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun the other ranks stay quiet
+        _print_summary(summary)
     if summary.get("status") == "interrupted":  # the shell's convention: 128 + the signal's number
         raise typer.Exit(128 + _signal_number(summary.get("signal")))
     if summary.get("status") != "completed":
         raise typer.Exit(1)
+
+
+def _launch_torchrun(nproc: int) -> None:
+    """`rlft train --nproc N ARGS` -> `torchrun --nproc-per-node N -m rlft train ARGS` (one node;
+    several nodes: call torchrun yourself, see the README). Exits with torchrun's status."""
+    import subprocess
+
+    args = [a for i, a in enumerate(sys.argv[1:]) if not (a.startswith("--nproc") or sys.argv[i] == "--nproc")]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "rlft", *args]
+    raise typer.Exit(subprocess.call(command))
 
 
 def _signal_number(name: object) -> int:
@@ -215,6 +231,15 @@ def main() -> None:
     except Interrupted as exc:  # before training started, or a second Ctrl-C (which said what it skipped)
         console.print(f"interrupted ({exc.name})", highlight=False)
         sys.exit(128 + exc.signum)
+    except Exception as exc:  # a collective that failed because another rank died or hung
+        from rlft.training.distributed import World, describe_failure
+
+        world = World(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+        message = describe_failure(exc, world, float(os.environ.get("RLFT_DIST_TIMEOUT_S", "0") or 0))
+        if message is None:
+            raise
+        console.print(f"[bold red]error:[/] {message}", highlight=False)
+        sys.exit(3)
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)

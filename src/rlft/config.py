@@ -84,6 +84,10 @@ class TrainingConfig(Section):
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice).")
     max_consecutive_nonfinite: int = Field(
         3, ge=1, description="Stop after this many consecutive steps skipped for a non-finite loss/grad norm.")
+    dist_timeout_s: float = Field(
+        1800.0, gt=0, description="Distributed runs (torchrun): how long a rank waits for the others in a collective "
+                                  "before the job stops with an error (a dead or hung rank); long enough for the "
+                                  "slowest step, evaluation or checkpoint.")
 
 
 class VllmSettings(Section):

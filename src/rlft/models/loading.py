@@ -97,9 +97,20 @@ class LoadedModel:
     tokenizer: Any
     device: torch.device
     is_lora: bool
+    # A distributed run trains `model` sharded across ranks; `mirror` is a whole copy of it on each
+    # rank, kept in sync, that samples rollouts and is saved (None in a single process).
+    mirror: "LoadedModel | None" = None
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    def unsharded(self) -> "LoadedModel":
+        """The model with whole weights: the mirror of a sharded run, else this one."""
+        return self.mirror if self.mirror is not None else self
+
+    def make_mirror(self) -> None:
+        """Keep a whole copy before the model is sharded (see `mirror`)."""
+        self.mirror = LoadedModel(copy.deepcopy(self.model), self.tokenizer, self.device, self.is_lora)
 
 
 def load_causal_lm(cfg: ModelConfig, device: torch.device) -> Any:
@@ -218,6 +229,12 @@ class Reference:
         else:
             self._frozen = copy.deepcopy(policy.model).eval()
             self._frozen.requires_grad_(False)
+
+    @property
+    def frozen_copy(self) -> Any:
+        """The separate frozen model of a full fine-tune (None under LoRA): what a distributed run
+        shards like the policy."""
+        return self._frozen
 
     @contextmanager
     def model(self) -> Iterator[Any]:

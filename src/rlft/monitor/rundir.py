@@ -25,6 +25,7 @@ from rlft.errors import RlftError
 
 # Settings that may differ when an existing run directory is continued.
 MAY_CHANGE = {"training.max_steps", "training.epochs", "checkpoint", "logging", "training.num_threads",
+              "training.dist_timeout_s", "model.device",
               "training.eval_every", "output_dir", "monitor", "adopt_output_dir"}
 MARKER = ".rlft-run"
 LOCK = ".rlft-run.lock"
@@ -60,8 +61,11 @@ def describe_os_error(exc: OSError, what: str, path: Path) -> str:
 
 
 class RunDir:
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, writer: bool = True):
+        """`writer=False`: a reader of a directory another process writes (the other ranks of a
+        distributed run): its logging calls write nothing."""
         self.root = Path(root)
+        self.writer = writer
         self._lock_fd: int | None = None
 
     # -- claiming the folder ----------------------------------------------------------------
@@ -153,10 +157,14 @@ class RunDir:
         return [k for k in diffs if not any(k == p or k.startswith(p + ".") for p in MAY_CHANGE)]
 
     def log_metrics(self, record: dict[str, Any]) -> None:
+        if not self.writer:
+            return
         with writing("logging metrics", self.metrics_path):
             _append_jsonl(self.metrics_path, record)
 
     def log_samples(self, records: list[dict[str, Any]]) -> None:
+        if not self.writer:
+            return
         with writing("logging samples", self.samples_path):
             for record in records:
                 _append_jsonl(self.samples_path, record)
@@ -169,6 +177,8 @@ class RunDir:
     def truncate_logs(self, step: int) -> None:
         """On resume, drop log lines written after the checkpoint we resume from, so the resumed
         run's logs read exactly like an uninterrupted run's."""
+        if not self.writer:
+            return
         for path in (self.metrics_path, self.samples_path, self.events_path):
             if not path.exists():
                 continue
@@ -179,6 +189,8 @@ class RunDir:
     def update_summary(self, values: dict[str, Any]) -> dict[str, Any]:
         summary = json.loads(self.summary_path.read_text()) if self.summary_path.exists() else {}
         summary.update(values)
+        if not self.writer:
+            return summary
         tmp = self.summary_path.with_suffix(".tmp")
         with writing("writing summary.json", self.summary_path):
             tmp.write_text(json.dumps(_clean(summary), indent=2))

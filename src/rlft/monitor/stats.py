@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class MetricAccumulator:
     """Weighted sums per key; keys ending in `max` / `min` keep the extreme instead.
@@ -24,6 +26,23 @@ class MetricAccumulator:
             else:
                 self._sums[key] = self._sums.get(key, 0.0) + value * weight
                 self._weights[key] = self._weights.get(key, 0.0) + weight
+
+    def reduce(self, world: Any) -> "MetricAccumulator":
+        """Every rank's parts combined (sums and weights added, extremes kept), on every rank; a key
+        only some ranks saw counts as 0 (weight 0) or no extreme on the others."""
+        if not getattr(world, "active", False):
+            return self
+        keys = sorted(set().union(*world.gather(sorted(self._sums))))
+        extremes = [k for k in keys if k.endswith(("max", "min"))]
+        added = [k for k in keys if k not in extremes]
+        sums = world.sum([self._sums.get(k, 0.0) for k in added] + [self._weights.get(k, 0.0) for k in added])
+        tops = world.max([self._sums.get(k, float("-inf")) if k.endswith("max") else -self._sums.get(k, float("inf"))
+                          for k in extremes])
+        out = MetricAccumulator()
+        out._sums = {k: v for k, v in zip(added, sums[:len(added)])}
+        out._weights = {k: v for k, v in zip(added, sums[len(added):])}
+        out._sums.update({k: (v if k.endswith("max") else -v) for k, v in zip(extremes, tops)})
+        return out
 
     def sums(self) -> dict[str, float]:
         return dict(self._sums)

@@ -2,8 +2,9 @@
 
 The loop is ours rather than `model.generate` so that it records the sampling log-prob of every
 token, stops on the chat template's end-of-turn token (a random model emits other special tokens
-mid-completion), drops finished rows from the batch, and draws from a seeded generator whose state
-is checkpointed (exact resume).
+mid-completion), drops finished rows from the batch, and draws each completion's tokens from its
+own seeded stream (rollout/seeds.py): the samples do not depend on the batch a completion shares
+or on the rank that generates it, and a resumed run continues the same streams.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from rlft.models.template import end_of_turn_ids
 from rlft.rollout.contract import Completion, SamplingParams
 from rlft.rollout.fast_decode import LeanDecoder
+from rlft.rollout.seeds import check_engine_state, stream_seed
 from rlft.models.forward import position_ids_for
 
 
@@ -41,8 +43,7 @@ class HFEngine:
         self.stop_ids = torch.tensor(sorted(set(stop_ids)), device=device)
         self.device = device
         self.batch_size = batch_size
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
+        self._seed, self._stream, self._calls = seed, "train", 0
         self.pad_id = tokenizer.pad_token_id
         self.fast_decode = fast_decode
         # transformers 5.x renamed `past_key_values` to `cache`; accept both.
@@ -52,8 +53,16 @@ class HFEngine:
     def sync_weights(self) -> None:
         """Same module as the trainer: nothing to copy."""
 
-    def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: Sequence[list[int]], params: SamplingParams, first_prompt: int = 0) -> list[Completion]:
+        """`first_prompt`: the global index of prompts[0] (a rank's share of a step's prompts), so
+        completion k of a prompt draws from the same stream wherever it is generated."""
+        call = self._calls
+        self._calls += 1
+        if not prompts:
+            return []
         rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
+        seeds = [stream_seed(self._seed, self._stream, call, (first_prompt + i) * params.n + k)
+                 for i in range(len(prompts)) for k in range(params.n)]
         step = self.batch_size or len(rows)
         out: list[Completion] = []
         was_training = self.model.training
@@ -61,12 +70,20 @@ class HFEngine:
         try:
             with torch.no_grad():
                 for start in range(0, len(rows), step):
-                    out += self._generate_batch(rows[start:start + step], params)
+                    out += self._generate_batch(rows[start:start + step], seeds[start:start + step], params)
         finally:
             self.model.train(was_training)
         return out
 
-    def _generate_batch(self, rows: list[tuple[int, list[int]]], params: SamplingParams) -> list[Completion]:
+    def _uniforms(self, seeds: list[int], steps: int) -> torch.Tensor:
+        """[rows, steps] uniforms, row r from its own stream: one draw per token position."""
+        out = torch.empty((len(seeds), steps))
+        for r, seed in enumerate(seeds):
+            out[r] = torch.rand(steps, generator=torch.Generator().manual_seed(seed))
+        return out.to(self.device)
+
+    def _generate_batch(self, rows: list[tuple[int, list[int]]], seeds: list[int],
+                        params: SamplingParams) -> list[Completion]:
         n, width = len(rows), max(len(p) for _, p in rows)
         input_ids = torch.full((n, width), self.pad_id, dtype=torch.long, device=self.device)
         attention = torch.zeros((n, width), dtype=torch.long, device=self.device)
@@ -84,11 +101,13 @@ class HFEngine:
                          use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1]
         decoder = self._decoder(self._cache_of(out), width + params.max_new_tokens)
+        del out  # the decoder holds (or copied) the prefill's cache
         next_pos = positions[:, -1:] + 1
         texts_needed = bool(params.stop)
+        uniforms = self._uniforms(seeds, params.max_new_tokens) if params.temperature > 0 else None  # [n, T]
 
         for t in range(params.max_new_tokens):
-            token, logprob = self._sample(logits, params)
+            token, logprob = self._sample(logits, params, None if uniforms is None else uniforms[active, t])
             tokens[active, t], logprobs[active, t] = token, logprob
             lengths[active] += 1
             done = (token[:, None] == self.stop_ids).any(-1)
@@ -119,7 +138,8 @@ class HFEngine:
     def _cache_of(out: Any) -> Any:
         return out["cache"] if "cache" in out else out["past_key_values"]
 
-    def _sample(self, logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, logits: torch.Tensor, params: SamplingParams,
+                u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         logits = logits.float()
         if params.temperature == 0:
             token = logits.argmax(-1)
@@ -127,7 +147,7 @@ class HFEngine:
         logits = logits / params.temperature
         logp = torch.log_softmax(logits, -1)  # the distribution the trainer's log-probs refer to
         if not params.top_k and params.top_p >= 1.0:
-            token = self._draw(logp.exp())
+            token = self._draw(logp.exp(), u)
             return token, logp.gather(-1, token[:, None]).squeeze(-1)
         filtered = logits
         if params.top_k and params.top_k < logits.shape[-1]:
@@ -139,15 +159,15 @@ class HFEngine:
             drop_sorted = cum - sorted_logits.softmax(-1) >= params.top_p  # keep the token crossing top_p
             drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
             filtered = filtered.masked_fill(drop, float("-inf"))
-        token = self._draw(torch.softmax(filtered, -1))
+        token = self._draw(torch.softmax(filtered, -1), u)
         return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
-    def _draw(self, probs: torch.Tensor) -> torch.Tensor:
-        """One token per row by inverse CDF: a uniform draw against the cumulative probabilities
-        (cheaper than `torch.multinomial` for one sample; the same distribution)."""
+    @staticmethod
+    def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """One token per row by inverse CDF: each row's uniform draw `u` [B] against its cumulative
+        probabilities (cheaper than `torch.multinomial` for one sample; the same distribution)."""
         cdf = probs.cumsum(-1)  # [B, V]
-        u = torch.rand((probs.shape[0], 1), generator=self.generator, device=probs.device) * cdf[:, -1:]
-        return (cdf <= u).sum(-1).clamp(max=probs.shape[-1] - 1)
+        return (cdf <= u[:, None] * cdf[:, -1:]).sum(-1).clamp(max=probs.shape[-1] - 1)
 
     def _hit_stop_string(self, generated: torch.Tensor, stops: tuple[str, ...]) -> torch.Tensor:
         tail = self.tokenizer.batch_decode(generated[:, -16:], skip_special_tokens=True)
@@ -171,25 +191,21 @@ class HFEngine:
 
     @contextmanager
     def isolated_rng(self, seed: int) -> Iterator[None]:
-        """Sample from a generator seeded with `seed`, then restore the rollout generator: evals
-        are reproducible and never change the training trajectory."""
-        saved = self.generator.get_state()
-        self.generator.manual_seed(seed)
+        """Sample from streams seeded with `seed` (the same completions at every eval), then return
+        to the training streams where they were: evals never change the training trajectory."""
+        saved = self._seed, self._stream, self._calls
+        self._seed, self._stream, self._calls = seed, "isolated", 0
         try:
             yield
         finally:
-            self.generator.set_state(saved)
+            self._seed, self._stream, self._calls = saved
 
     def state_dict(self) -> dict[str, Any]:
-        return {"generator": self.generator.get_state()}
+        return {"engine": "hf", "seed": self._seed, "stream": self._stream, "calls": self._calls}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "generator" not in state:
-            from rlft.errors import ResumeError
-
-            raise ResumeError("the checkpoint's rollout state was written by another engine (rollout.engine changed "
-                              "since it was saved); resume with the same rollout.engine, or start a new run")
-        self.generator.set_state(state["generator"])
+        check_engine_state(state, "hf")
+        self._seed, self._stream, self._calls = state["seed"], state["stream"], state["calls"]
 
     def close(self) -> None:
         """Nothing to free: the engine samples with the trainer's own model."""

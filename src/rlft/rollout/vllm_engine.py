@@ -20,7 +20,6 @@ rest (a process group, set up once and never torn down).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import tempfile
@@ -32,6 +31,7 @@ import torch
 from rlft.config import VllmSettings
 from rlft.errors import ConfigError, ResumeError, RlftError
 from rlft.rollout.contract import Completion, SamplingParams
+from rlft.rollout.seeds import check_engine_state, stream_seed
 from rlft.rollout.vllm_weights import (StalenessTracker, base_model_of, full_state, lora_rank, merged_lora_state,
                                        watched_tensors)
 
@@ -77,12 +77,6 @@ def _contained(in_process: bool) -> Iterator[None]:
                 os.environ[key] = value
         torch.set_num_threads = set_threads
         torch._C.set_num_threads(threads)
-
-
-def request_seed(seed: int, stream: str, call: int) -> int:
-    """A 56-bit seed for one generate call: a stable hash, so a run and its resume agree."""
-    digest = hashlib.sha256(f"rlft-vllm:{seed}:{stream}:{call}".encode()).digest()
-    return int.from_bytes(digest[:7], "little")
 
 
 class VLLMEngine:
@@ -187,15 +181,20 @@ class VLLMEngine:
 
     # ---- sampling ------------------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[Completion]:
-        """n completions per prompt, grouped by prompt, as `HFEngine.generate` returns them."""
+    def generate(self, prompts: Sequence[list[int]], params: SamplingParams, first_prompt: int = 0) -> list[Completion]:
+        """n completions per prompt, grouped by prompt, as `HFEngine.generate` returns them;
+        `first_prompt` is the global index of prompts[0] (a rank's share of a step's prompts)."""
+        if not prompts:
+            self._calls += 1
+            return []
         self._check_request(prompts, params)
         self.sync_weights()
         self._wake()
-        base = request_seed(self._seed, self._stream, self._calls)
+        call = self._calls
         self._calls += 1
-        # vLLM seeds the n samples of a request with seed + index, so requests step by n.
-        requests = [self._vllm_params(params, base + i * params.n) for i in range(len(prompts))]
+        # one seed per request (prompt); vLLM seeds its n samples with seed + index
+        requests = [self._vllm_params(params, stream_seed(self._seed, self._stream, call, first_prompt + i))
+                    for i in range(len(prompts))]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], requests,
                                     lora_request=self._lora_request, use_tqdm=False)
         if self.settings.sleep:
@@ -258,12 +257,10 @@ class VLLMEngine:
             self._seed, self._stream, self._calls = saved
 
     def state_dict(self) -> dict[str, Any]:
-        return {"seed": self._seed, "stream": self._stream, "calls": self._calls}
+        return {"engine": "vllm", "seed": self._seed, "stream": self._stream, "calls": self._calls}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if set(state) != {"seed", "stream", "calls"}:
-            raise ResumeError("the checkpoint's rollout state was written by another engine (rollout.engine changed "
-                              "since it was saved); resume with the same rollout.engine, or start a new run")
+        check_engine_state(state, "vllm")
         self._seed, self._stream, self._calls = state["seed"], state["stream"], state["calls"]
 
     def close(self) -> None:

@@ -1,7 +1,9 @@
 """Crash-safe checkpoints.
 
-Layout: `checkpoints/step-00000012/{model/ | adapter/, trainer_state.pt, manifest.json, COMPLETE}`
-and a `checkpoints/latest` file naming the newest complete one.
+Layout: `checkpoints/step-00000012/{model/ | adapter/, trainer_state.pt, [dcp/], manifest.json,
+COMPLETE}` and a `checkpoints/latest` file naming the newest complete one. `dcp/` holds the sharded
+state of a distributed run (torch.distributed.checkpoint, one part per rank); the model itself is
+always written whole, so any checkpoint loads in one process or on any number of ranks.
 
 A checkpoint is written into a temp folder beside its final name, every file fsynced, then the
 manifest (SHA-256 of every file) and a `COMPLETE` marker, then the folder is renamed and `latest`
@@ -28,12 +30,14 @@ import torch
 
 from rlft.models.template import write_template_record
 from rlft.monitor.rundir import RunDirError, describe_os_error, writing
+from rlft.training.distributed import SINGLE, World
 
 log = logging.getLogger(__name__)
 
 PREFIX = "step-"
 MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.pt"
+SHARDED_DIR = "dcp"  # distributed runs: every rank's shard of the optimizer (and critic) state
 # Fault injection for crash tests: RLFT_FAULT="<stage>@<step>" SIGKILLs this process at that point of
 # saving the checkpoint of that step (ckpt-model, ckpt-state, ckpt-rename, ckpt-done).
 FAULT_ENV = "RLFT_FAULT"
@@ -129,32 +133,48 @@ def checkpoint_path(checkpoints: Path, step: int) -> Path:
 
 
 def save_checkpoint(checkpoints: Path, step: int, model: Any, is_lora: bool, tokenizer: Any,
-                    trainer_state: dict[str, Any], keep_last: int, protect: set[str] | None = None) -> Path:
+                    trainer_state: dict[str, Any], keep_last: int, protect: set[str] | None = None,
+                    world: World = SINGLE, sharded: dict[str, Any] | None = None) -> Path:
     """Write `step-N/` atomically (see the module docstring). A failed write (a full disk, say)
     removes its temporary folder, so the space is back and the last good checkpoint stays the
-    newest one a resume finds; the error names the path and the fix."""
+    newest one a resume finds; the error names the path and the fix.
+
+    In a distributed run every rank calls this: rank 0 writes the model (full weights, from the
+    unsharded copy), the trainer state and the manifest; `sharded` state (optimizer states, a
+    critic's shards) is written by every rank into `dcp/` with torch.distributed.checkpoint."""
     final = checkpoint_path(checkpoints, step)
     name = final.name
-    tmp = checkpoints / f".tmp-{name}-{os.getpid()}"
+    tmp = checkpoints / (f".tmp-{name}-{os.getpid()}" if not world.active else f".tmp-{name}-ranks")
     try:
-        _write_checkpoint(tmp, step, model, is_lora, tokenizer, trainer_state)
+        if world.main:
+            _write_checkpoint(tmp, step, model, is_lora, tokenizer, trainer_state)
+        world.barrier()
+        if sharded:
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save(sharded, checkpoint_id=str(tmp / SHARDED_DIR))
+        world.barrier()
+        if world.main:
+            _seal(tmp, step)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         latest = find_latest(checkpoints)
         kept = f"the last good checkpoint is {latest}" if latest else "no earlier checkpoint exists"
         raise RunDirError(describe_os_error(exc, f"saving checkpoint {name} ({kept})", tmp)) from None
-    fault_point("ckpt-rename", step)
-    with writing(f"publishing checkpoint {name}", final):
-        if final.exists():  # a stale one from a run resumed at an earlier step
-            shutil.rmtree(final)
-        tmp.rename(final)
-        _fsync_dir(checkpoints)
-        latest_tmp = checkpoints / "latest.tmp"
-        latest_tmp.write_text(name + "\n")
-        os.replace(latest_tmp, checkpoints / "latest")
-        _fsync_dir(checkpoints)
-    prune(checkpoints, keep_last, protect or set())
-    fault_point("ckpt-done", step)
+    if world.main:
+        fault_point("ckpt-rename", step)
+        with writing(f"publishing checkpoint {name}", final):
+            if final.exists():  # a stale one from a run resumed at an earlier step
+                shutil.rmtree(final)
+            tmp.rename(final)
+            _fsync_dir(checkpoints)
+            latest_tmp = checkpoints / "latest.tmp"
+            latest_tmp.write_text(name + "\n")
+            os.replace(latest_tmp, checkpoints / "latest")
+            _fsync_dir(checkpoints)
+        prune(checkpoints, keep_last, protect or set())
+        fault_point("ckpt-done", step)
+    world.barrier()
     return final
 
 
@@ -168,11 +188,27 @@ def _write_checkpoint(tmp: Path, step: int, model: Any, is_lora: bool, tokenizer
     fault_point("ckpt-model", step)
     torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / STATE_FILE)
     fault_point("ckpt-state", step)
+
+
+def _seal(tmp: Path, step: int) -> None:
+    """The manifest (SHA-256 of every file, the ranks' shards included) and the COMPLETE marker."""
     files = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
     manifest = {"step": step, "created": time.time(), "versions": package_versions(), "files": files}
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
     (tmp / MARKER).write_text("ok\n")
     _fsync_tree(tmp)
+
+
+def load_sharded(path: Path, template: dict[str, Any]) -> dict[str, Any] | None:
+    """The `dcp/` state of a checkpoint, laid out like `template` (this run's state dicts: DCP
+    reshards a checkpoint written by any number of ranks onto this run's), or None when the
+    checkpoint has none (written by one process)."""
+    if not (path / SHARDED_DIR).is_dir():
+        return None
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(template, checkpoint_id=str(path / SHARDED_DIR))
+    return template
 
 
 def remove_stale_temporaries(checkpoints: Path) -> None:

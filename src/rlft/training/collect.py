@@ -19,6 +19,7 @@ from rlft.data.order import PromptSampler
 from rlft.data.prompts import PromptExample
 from rlft.rewards.scoring import RewardScorer, Scores, score_completions
 from rlft.rollout.contract import Completion, Engine, SamplingParams
+from rlft.training.distributed import SINGLE, World
 
 
 @dataclass
@@ -36,7 +37,10 @@ class Rollout:
 
 def collect_rollout(engine: Engine, sampler: PromptSampler, prompts: list[PromptExample], scorer: RewardScorer,
                     params: SamplingParams, prompts_per_step: int, dynamic_sampling: bool = False,
-                    max_rounds: int = 3) -> Rollout:
+                    max_rounds: int = 3, world: World = SINGLE) -> Rollout:
+    """A step's scored completions. In a distributed run every rank draws the same global prompts
+    and generates its own share of them (group ids stay global: a prompt's G completions live on
+    one rank)."""
     t_gen = t_score = 0.0
     kept: list[tuple[PromptExample, Completion, int]] = []  # (example, completion, group id)
     kept_scores: list[Scores] = []
@@ -44,32 +48,39 @@ def collect_rollout(engine: Engine, sampler: PromptSampler, prompts: list[Prompt
     rounds, dropped, next_group = 0, 0, 0
     while True:
         rounds += 1
-        need = prompts_per_step - len({g for *_, g in kept})
-        chosen = [prompts[i] for i in sampler.take(need)]
+        need = prompts_per_step - int(world.sum([len({g for *_, g in kept})])[0])
+        drawn = [prompts[i] for i in sampler.take(need)]
+        first, stop = world.share(len(drawn))
+        chosen = drawn[first:stop]
         start = time.perf_counter()
-        completions = engine.generate([e.prompt_ids for e in chosen], params)
+        completions = engine.generate([e.prompt_ids for e in chosen], params, first_prompt=next_group + first) \
+            if chosen else []
         t_gen += time.perf_counter() - start
         examples = [chosen[c.prompt_index] for c in completions]
         start = time.perf_counter()
         scores = score_completions(scorer, examples, completions, params.max_new_tokens)
         t_score += time.perf_counter() - start
         sampled += [t for t in scores.total if t is not None]
-        groups = [next_group + c.prompt_index for c in completions]
-        next_group += len(chosen)
+        groups = [next_group + first + c.prompt_index for c in completions]
+        next_group += len(drawn)
         keep = torch.ones(len(completions), dtype=torch.bool)
         if dynamic_sampling:
             keep = ~_flat_groups(scores.total, groups)
             dropped += len(set(g for g, k in zip(groups, keep.tolist()) if not k))
         kept_scores.append(_subset(scores, keep.tolist()))
         kept += [(e, c, g) for e, c, g, k in zip(examples, completions, groups, keep.tolist()) if k]
-        if not dynamic_sampling or len({g for *_, g in kept}) >= prompts_per_step or rounds > max_rounds:
+        if not dynamic_sampling or rounds > max_rounds:
+            break
+        if world.sum([len({g for *_, g in kept})])[0] >= prompts_per_step:
             break
     scores = _concat(kept_scores)
     metrics = {"time/generate": t_gen, "time/score": t_score}
     if dynamic_sampling:
-        metrics.update({"dynamic_sampling/rounds": float(rounds), "dynamic_sampling/dropped_groups": float(dropped),
-                        "dynamic_sampling/kept_groups": float(len({g for *_, g in kept})),
-                        "dynamic_sampling/reward_mean_before_filter": sum(sampled) / len(sampled) if sampled
+        dropped, kept_groups, sampled_sum, sampled_n = world.sum(
+            [dropped, len({g for *_, g in kept}), sum(sampled), len(sampled)])
+        metrics.update({"dynamic_sampling/rounds": float(rounds), "dynamic_sampling/dropped_groups": dropped,
+                        "dynamic_sampling/kept_groups": kept_groups,
+                        "dynamic_sampling/reward_mean_before_filter": sampled_sum / sampled_n if sampled_n
                         else float("nan")})
     return Rollout([k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept], scores, metrics)
 

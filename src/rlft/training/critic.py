@@ -26,12 +26,15 @@ from rlft.models.loading import apply_lora, resolve_dtype
 from rlft.monitor.stats import MetricAccumulator
 from rlft.rollout.batch import RolloutBatch
 from rlft.training.optim import build_optimizer, build_scheduler, clip_gradients
-from rlft.training.rl_update import ExtraLoss, Trainer, UpdateSettings
+from rlft.training.distributed import SINGLE, World, full_state_dict, loss_scale, shard
+from rlft.training.rl_update import ExtraLoss, Trainer, UpdateSettings, lockstep_chunks
 
 
 class Critic(Protocol):
-    def advantages(self, batch: RolloutBatch, token_rewards: Tensor, valid: Tensor) -> tuple[Tensor, dict[str, float]]:
-        """GAE advantages `[N, T]` (whitened if configured); keeps values and returns for the update."""
+    targets: "_ValueTargets"  # GAE over the (global) batch's values; keeps this rank's targets
+
+    def values(self, batch: RolloutBatch, world: World) -> Tensor:
+        """Pre-update values of the batch's completion tokens  # [N, T]"""
 
     def trains_policy(self, step: int) -> bool:
         """False during the warm-up steps, when only the critic learns."""
@@ -59,15 +62,18 @@ class _ValueTargets:
         self.old_values: Tensor | None = None  # [N, T]
         self.returns: Tensor | None = None  # [N, T]
 
-    def gae_advantages(self, values: Tensor, batch: RolloutBatch, token_rewards: Tensor,
-                       valid: Tensor) -> tuple[Tensor, dict[str, float]]:
-        self.old_values = values
-        adv, metrics = ADVANTAGE_ESTIMATORS["gae"](token_rewards, batch.completion_mask, batch.group_ids, valid,
+    def gae_advantages(self, values: Tensor, mask: Tensor, group_ids: Tensor, token_rewards: Tensor, valid: Tensor,
+                       rows: tuple[int, int]) -> tuple[Tensor, dict[str, float]]:
+        """GAE advantages `[N, T]` of the (global) batch, whitened over it if configured; keeps the
+        values and returns of this rank's `rows` [first, stop) as the update's targets."""
+        adv, metrics = ADVANTAGE_ESTIMATORS["gae"](token_rewards, mask, group_ids, valid,
                                                    values=values, gamma=self.gamma, lam=self.lam)
-        self.returns = adv + values * batch.completion_mask
+        returns = adv + values * mask
         if self.cfg.whiten_advantages:
-            adv = whiten(adv, batch.completion_mask & valid[:, None], std_floor=self.std_floor)
-        metrics["value/returns_mean"] = float(self.returns[batch.completion_mask].mean())
+            adv = whiten(adv, mask & valid[:, None], std_floor=self.std_floor)
+        metrics["value/returns_mean"] = float(returns[mask].mean())
+        first, stop = rows
+        self.old_values, self.returns = values[first:stop], returns[first:stop]
         return adv, metrics
 
     def value_loss(self, values: Tensor, rows: Tensor, mask: Tensor, num_tokens: float) -> tuple[Tensor, dict]:
@@ -83,25 +89,28 @@ class _ValueTargets:
         mask = batch.completion_mask
         return mask & ~batch.truncated[:, None] if self.settings.mask_truncated else mask
 
-    def minibatches(self, batch: RolloutBatch, generator: torch.Generator):
-        """(rows, micro-batch row sets, token count) per minibatch, epochs x minibatches like the policy."""
+    def minibatches(self, batch: RolloutBatch, generator: torch.Generator, world: World):
+        """(micro-batch row sets, global token count) per minibatch, epochs x minibatches like the
+        policy; in lockstep over ranks (a None row set: a throwaway micro-batch, see rl_update)."""
         s, mask = self.settings, self.loss_mask(batch)
         for _ in range(s.epochs):
             order = torch.randperm(batch.size, generator=generator) if s.minibatches > 1 else torch.arange(batch.size)
             for chunk in order.chunk(s.minibatches):
                 chunk = chunk.to(batch.input_ids.device)
                 chunk = chunk[mask[chunk].any(-1)]
-                if chunk.numel() == 0:
+                tokens = world.sum([float(mask[chunk].sum())])[0]
+                if tokens == 0:
                     continue
-                step = s.micro_batch_size or chunk.numel()
-                yield list(chunk.split(step)), float(mask[chunk].sum())
+                sets = list(chunk.split(s.micro_batch_size or max(chunk.numel(), 1))) if chunk.numel() else []
+                yield sets + [None] * (int(world.max([len(sets)])[0]) - len(sets)), tokens
 
 
 class SeparateCritic:
     """`AutoModelForTokenClassification` with one label, from `critic.path` (a reward model's score
     head is reused) or the policy checkpoint (new head); its own AdamW and schedule."""
 
-    def __init__(self, config: Config, device: torch.device, pad_token_id: int, s: UpdateSettings, total_steps: int):
+    def __init__(self, config: Config, device: torch.device, pad_token_id: int, s: UpdateSettings, total_steps: int,
+                 world: World = SINGLE):
         from transformers import AutoConfig, AutoModelForTokenClassification
 
         c, m = config.critic, config.model
@@ -116,7 +125,8 @@ class SeparateCritic:
         if c.lora:
             lora = config.lora.model_copy(update={"enabled": True}) if config.lora.enabled else LoraConfig(enabled=True)
             model = apply_lora(model, lora, task_type="TOKEN_CLS")
-        self.model = model.to(device)
+        self.model = shard(model.to(device), world)  # sharded like the policy in a distributed run
+        self.world = world
         self.targets = _ValueTargets(c, s, config.algorithm.gamma, config.algorithm.lam, config.algorithm.std_floor)
         self.warmup_steps = c.warmup_steps
         self.max_grad_norm = config.training.max_grad_norm
@@ -132,15 +142,9 @@ class SeparateCritic:
         return out.logits[:, -(t + 1):-1, 0].float()  # [n, t]
 
     @torch.no_grad()
-    def advantages(self, batch: RolloutBatch, token_rewards: Tensor, valid: Tensor) -> tuple[Tensor, dict[str, float]]:
+    def values(self, batch: RolloutBatch, world: World) -> Tensor:
         self.model.eval()
-        values = torch.zeros_like(batch.sampling_logprobs)
-        step = self.targets.settings.micro_batch_size or batch.size
-        for start in range(0, batch.size, step):
-            rows = torch.arange(start, min(start + step, batch.size), device=batch.input_ids.device)
-            sub = batch.select(rows)
-            values[rows, : sub.completion_len] = self._values(sub)
-        return self.targets.gae_advantages(values, batch, token_rewards, valid)
+        return _batch_values(batch, self.targets.settings.micro_batch_size, world, self._values)
 
     def trains_policy(self, step: int) -> bool:
         return step >= self.warmup_steps
@@ -153,34 +157,58 @@ class SeparateCritic:
         self.model.train()
         stats = MetricAccumulator()
         mask = self.targets.loss_mask(batch)
-        for micro_sets, num_tokens in self.targets.minibatches(batch, generator):
+        for micro_sets, num_tokens in self.targets.minibatches(batch, generator, self.world):
             for rows in micro_sets:
+                real = rows is not None
+                rows = rows if real else torch.zeros(1, dtype=torch.long, device=batch.input_ids.device)
                 sub = batch.select(rows)
                 sub_mask = mask[rows, : sub.completion_len]
                 loss, m = self.targets.value_loss(self._values(sub), rows, sub_mask, num_tokens)
-                loss.backward()
-                stats.add(m, float(sub_mask.sum()))
+                (loss * (loss_scale(self.world) if real else 0.0)).backward()
+                if real:
+                    stats.add(m, float(sub_mask.sum()))
             norm = float(clip_gradients(self.params, self.max_grad_norm))
             if torch.isfinite(torch.tensor(norm)):
                 self.optimizer.step()
                 self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             stats.add({"critic/grad_norm": norm})
-        return stats.means()
+        return stats.reduce(self.world).means()
 
     def state_dict(self) -> dict[str, Any]:
-        full = not hasattr(self.model, "peft_config")  # under LoRA only the trained tensors change
-        weights = {k: v.detach().clone() for k, v in self.model.state_dict(keep_vars=True).items()
-                   if full or v.requires_grad}
-        return {"weights": weights, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        """Weights, optimizer and schedule, keyed by names (a distributed run's come whole: gathered
+        from the shards, so they load on any number of ranks)."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True) if self.world.active else None
+        return {"weights": get_model_state_dict(self.model, options=options),
+                "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=options),
+                "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["weights"], strict=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        options = StateDictOptions(full_state_dict=True) if self.world.active else None
+        set_model_state_dict(self.model, state["weights"], options=options)
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
         self.scheduler.load_state_dict(state["scheduler"])
 
     def export(self, out: Path) -> None:
-        model = self.model.merge_and_unload() if hasattr(self.model, "merge_and_unload") else self.model
+        weights = full_state_dict(self.model, self.world)  # collective: every rank calls it
+        if not self.world.main:
+            return
+        model = self.model
+        if self.world.active:  # a plain copy to save the gathered weights with
+            from transformers import AutoModelForTokenClassification
+
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            model = AutoModelForTokenClassification.from_config(base.config)
+            model.load_state_dict({k.replace("base_model.model.", "").replace(".base_layer", ""): v
+                                   for k, v in weights.items() if "lora_" not in k}, strict=False)
+        elif hasattr(model, "merge_and_unload"):
+            model = model.merge_and_unload()
         model.save_pretrained(out)
 
 
@@ -190,10 +218,16 @@ class SharedValueHead:
 
     needs_hidden = True
 
-    def __init__(self, config: Config, hidden_size: int, device: torch.device, s: UpdateSettings):
+    def __init__(self, config: Config, hidden_size: int, device: torch.device, s: UpdateSettings,
+                 world: World = SINGLE):
         self.head = nn.Linear(hidden_size, 1, device=device)
         nn.init.zeros_(self.head.weight)  # start from V = 0: advantages begin as plain returns
         nn.init.zeros_(self.head.bias)
+        if world.active:  # its gradients are reduced over ranks with the policy's
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(self.head)
+        self.world = world
         self.targets = _ValueTargets(config.critic, s, config.algorithm.gamma, config.algorithm.lam,
                                      config.algorithm.std_floor)
         self.coef, self.warmup_steps = config.critic.value_coef, config.critic.warmup_steps
@@ -212,18 +246,13 @@ class SharedValueHead:
         return self.head(hidden.float()).squeeze(-1)  # [n, t]
 
     @torch.no_grad()
-    def advantages(self, batch: RolloutBatch, token_rewards: Tensor, valid: Tensor) -> tuple[Tensor, dict[str, float]]:
+    def values(self, batch: RolloutBatch, world: World) -> Tensor:
         model = self._policy_model
         was_training = model.training
         model.eval()
-        values = torch.zeros_like(batch.sampling_logprobs)
-        step = self.targets.settings.micro_batch_size or batch.size
-        for start in range(0, batch.size, step):
-            rows = torch.arange(start, min(start + step, batch.size), device=batch.input_ids.device)
-            sub = batch.select(rows)
-            values[rows, : sub.completion_len] = self._values(self._hidden(sub))
+        out = _batch_values(batch, self.targets.settings.micro_batch_size, world, lambda sub: self._values(self._hidden(sub)))
         model.train(was_training)
-        return self.targets.gae_advantages(values, batch, token_rewards, valid)
+        return out
 
     def trains_policy(self, step: int) -> bool:
         return step >= self.warmup_steps
@@ -246,41 +275,59 @@ class SharedValueHead:
             return {}
         stats = MetricAccumulator()
         mask = self.targets.loss_mask(batch)
-        for micro_sets, num_tokens in self.targets.minibatches(batch, generator):
+        for micro_sets, num_tokens in self.targets.minibatches(batch, generator, self.world):
             loss_value = 0.0
             for rows in micro_sets:
+                real = rows is not None
+                rows = rows if real else torch.zeros(1, dtype=torch.long, device=batch.input_ids.device)
                 sub = batch.select(rows)
                 sub_mask = mask[rows, : sub.completion_len]
                 with torch.no_grad():
                     hidden = self._hidden(sub)
                 loss, m = self.targets.value_loss(self._values(hidden), rows, sub_mask, num_tokens)
-                loss.backward()
-                loss_value += float(loss.detach())
-                stats.add(m, float(sub_mask.sum()))
+                (loss * (loss_scale(self.world) if real else 0.0)).backward()
+                if real:
+                    loss_value += float(loss.detach())
+                    stats.add(m, float(sub_mask.sum()))
             trainer.optimizer_step(loss_value)
-        return stats.means()
-
-    def parameters(self) -> list[nn.Parameter]:
-        return list(self.head.parameters())
+        return stats.reduce(self.world).means()
 
     def state_dict(self) -> dict[str, Any]:
-        return self.head.state_dict()
+        return {k: v.contiguous() for k, v in full_state_dict(self.head, self.world).items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.head.load_state_dict(state)
+        if self.world.active:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(self.head, state, options=StateDictOptions(full_state_dict=True))
+        else:
+            self.head.load_state_dict(state)
 
     def export(self, out: Path) -> None:
         from safetensors.torch import save_file
 
-        out.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in self.head.state_dict().items()}, str(out / "value_head.safetensors"))
+        weights = self.state_dict()  # collective in a distributed run
+        if self.world.main:
+            out.mkdir(parents=True, exist_ok=True)
+            save_file(weights, str(out / "value_head.safetensors"))
+
+
+def _batch_values(batch: RolloutBatch, micro: int | None, world: World, values_of: Any) -> Tensor:
+    """`values_of(sub_batch)` over the batch in micro-batches, in lockstep over ranks  # [N, T]"""
+    out = torch.zeros_like(batch.sampling_logprobs)
+    for rows in lockstep_chunks(world, batch.size, micro):
+        sub = batch.select(rows if rows is not None else torch.arange(1))
+        values = values_of(sub)
+        if rows is not None:
+            out[rows.to(out.device), : sub.completion_len] = values
+    return out
 
 
 def build_critic(config: Config, session: Any, s: UpdateSettings, total_steps: int) -> Critic:
-    policy = session.policy
+    policy, world = session.policy, session.world
     if config.critic.kind == "shared":
         base = policy.model.get_base_model() if policy.is_lora else policy.model
-        head = SharedValueHead(config, base.config.hidden_size, policy.device, s).attach(policy.model)
-        session.add_parameters(head.parameters())
+        head = SharedValueHead(config, base.config.hidden_size, policy.device, s, world).attach(policy.model)
+        session.add_module("value_head", head.head)
         return head
-    return SeparateCritic(config, policy.device, policy.tokenizer.pad_token_id, s, total_steps)
+    return SeparateCritic(config, policy.device, policy.tokenizer.pad_token_id, s, total_steps, world)

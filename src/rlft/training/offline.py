@@ -18,6 +18,7 @@ from rlft.config import Config
 from rlft.data.order import BatchCursor, epoch_order
 from rlft.models.loading import LoadedModel, load_policy
 from rlft.monitor.stats import MetricAccumulator
+from rlft.training.distributed import SINGLE, World, loss_scale, shard
 from rlft.training.session import TrainingSession, evaluation, open_run, session_for
 
 
@@ -61,22 +62,29 @@ def make_objective(config: Config) -> OfflineObjective:
 
 
 def run_offline(config: Config, objective: OfflineObjective | None = None,
-                policy: LoadedModel | None = None) -> dict[str, Any]:
+                policy: LoadedModel | None = None, world: World = SINGLE) -> dict[str, Any]:
     objective = objective or make_objective(config)
-    with open_run(config) as run:
+    with open_run(config, world) as run:
         policy = policy or getattr(objective, "load_model", load_policy)(config.model, config.lora)
-        session = session_for(config, run, policy)
+        train, evals, data_summary = objective.prepare(policy)  # also makes DPO's reference copy
+        if data_summary:
+            run.update_summary(data_summary)
+        if world.active:  # shard what trains (and a frozen reference copy) across the ranks
+            policy.make_mirror()
+            shard(policy.model, world)
+            reference = getattr(objective, "reference", None)
+            if reference is not None and reference.frozen_copy is not None:
+                shard(reference.frozen_copy, world)
+        session = session_for(config, run, policy, world)
         try:
-            return _train(config, objective, session)
+            return _train(config, objective, session, train, evals)
         finally:
             session.loggers.close()
 
 
-def _train(config: Config, objective: OfflineObjective, session: TrainingSession) -> dict[str, Any]:
+def _train(config: Config, objective: OfflineObjective, session: TrainingSession, train: list[Any],
+           evals: list[Any]) -> dict[str, Any]:
     policy = session.policy
-    train, evals, data_summary = objective.prepare(policy)
-    if data_summary:
-        session.run.update_summary(data_summary)
     tc = config.training
     batch, micro = tc.batch_size, tc.micro_batch_size or tc.batch_size
     steps_per_epoch = math.ceil(len(train) / batch)
@@ -107,6 +115,7 @@ def _train(config: Config, objective: OfflineObjective, session: TrainingSession
                 metrics["epoch"] = epoch + (b + 1) / steps_per_epoch
                 failed = None
                 if evals and session.eval_due():
+                    session.sync_mirror()  # generation evals sample from the whole weights
                     eval_metrics, failed = evaluation(lambda: objective.evaluate(policy, evals))
                     metrics.update(eval_metrics)
                     model.train()
@@ -116,6 +125,7 @@ def _train(config: Config, objective: OfflineObjective, session: TrainingSession
                 if session.checkpoint_due():
                     session.save_checkpoint()
         if evals and not session.stopping and session.step < total:  # ended early (skipped steps)
+            session.sync_mirror()
             eval_metrics, failed = evaluation(lambda: objective.evaluate(policy, evals))
             session.log_eval(eval_metrics)
             if failed is not None:
@@ -129,22 +139,33 @@ def _train(config: Config, objective: OfflineObjective, session: TrainingSession
 
 def _train_step(session: TrainingSession, objective: OfflineObjective, model: Any, examples: list[Any],
                 micro: int) -> dict[str, float] | None:
+    """One optimizer step over the global batch `examples`: this rank's share of it, in micro-batches,
+    each loss divided by the whole batch's normaliser (so the ranks' gradients add up to it)."""
     start = time.perf_counter()
+    world = session.world
     norm = objective.normaliser(examples)
+    first, stop = world.share(len(examples))
+    mine = examples[first:stop]
+    chunks = [mine[i:i + micro] for i in range(0, len(mine), micro)]
     loss_total = 0.0
     parts = MetricAccumulator()
-    for i in range(0, len(examples), micro):
-        loss, m = objective.loss(model, examples[i:i + micro], norm)
-        loss.backward()
-        loss_total += float(loss.detach())
-        parts.add(m)
+    # every rank runs as many micro-batches as the busiest (a sharded forward/backward is collective):
+    # extra ones repeat a real chunk with a zero loss
+    for i in range(int(world.max([len(chunks)])[0])):
+        real = i < len(chunks)
+        loss, m = objective.loss(model, chunks[i] if real else (chunks or [examples[:1]])[0], norm)
+        (loss * (loss_scale(world) if real else 0.0)).backward()
+        if real:
+            loss_total += float(loss.detach())
+            parts.add(m)
     lr = session.lr
     applied, grad_norm = session.optimizer_step(loss_total)
     if not applied:
         return None
     session.step += 1
     elapsed = time.perf_counter() - start
-    sums = parts.sums()
+    sums = parts.reduce(world).sums()
+    loss_total = world.sum([loss_total])[0]
     out = {"loss": loss_total, "lr": lr, "grad_norm": grad_norm, "nonfinite_skipped": session.nonfinite_total,
            "step_time": elapsed, **sums}
     if "tokens" in sums:

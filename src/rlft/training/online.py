@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 import time
 from typing import Any
 
@@ -27,13 +28,15 @@ from rlft.eval.generation import evaluate_prompts
 from rlft.models.loading import Reference, disable_dropout, load_policy
 from rlft.monitor.checks import infra_error_message
 from rlft.rewards.calls import ScoringInterrupted
-from rlft.rewards.scoring import RewardScorer
+from rlft.monitor.stats import MetricAccumulator
+from rlft.rewards.scoring import RewardScorer, Scores
 from rlft.rollout import rollout_engine, sampling_params
 from rlft.rollout.batch import RolloutBatch
 from rlft.training.collect import Rollout, collect_rollout
 from rlft.training.critic import Critic, build_critic
 from rlft.training.rl_update import UpdateSettings, policy_update, reference_logprobs, token_rewards
 from rlft.training import checkpoint as ckpt
+from rlft.training.distributed import SINGLE, World, gather_rows, shard
 from rlft.training.session import TrainingSession, evaluation, open_run, session_for
 
 PROGRESS_KEYS = ["reward/mean", "kl", "entropy", "completion/length_mean", "clip/high_frac", "eval/accuracy"]
@@ -46,27 +49,34 @@ def load_prompts(data: DataConfig, tokenizer: Any, source: str, split: str, kind
     return check_rows(read_rows(source, split, data.max_row_bytes), encode, source, kind, data.on_invalid)
 
 
-def run_online(config: Config) -> dict[str, Any]:
-    with open_run(config) as run:
+def run_online(config: Config, world: World = SINGLE) -> dict[str, Any]:
+    with open_run(config, world) as run:
         policy = load_policy(config.model, config.lora)
         disable_dropout(policy.model)  # on-policy, pi / pi_old must be exactly 1 (see rl_update)
-        session = session_for(config, run, policy)
+        reference = Reference(policy) if config.needs_reference else None  # the starting weights
+        if world.active:  # shard what trains (and a frozen reference copy) across the ranks
+            policy.make_mirror()
+            shard(policy.model, world)
+            if reference is not None and reference.frozen_copy is not None:
+                shard(reference.frozen_copy, world)
+        session = session_for(config, run, policy, world)
         try:
-            return _train(config, session)
+            return _train(config, session, reference)
         finally:
             session.loggers.close()
 
 
-def _train(config: Config, session: TrainingSession) -> dict[str, Any]:
-    a, d, sc, policy = config.algorithm, config.data, config.scoring, session.policy
+def _train(config: Config, session: TrainingSession, reference: Reference | None) -> dict[str, Any]:
+    a, d, sc, policy, world = config.algorithm, config.data, config.scoring, session.policy, session.world
+    # a Ctrl-C may cut scoring short in one process; ranks stop together at a step's end instead
+    should_stop = None if world.active else (lambda: session.stop_signal is not None)
     scorer = RewardScorer(config.rewards, sc.max_workers, timeout_s=sc.timeout_s,
                           max_consecutive_timeouts=sc.max_consecutive_timeouts, on_error=sc.on_reward_error,
-                          should_stop=lambda: session.stop_signal is not None, warn=None)
+                          should_stop=should_stop, warn=None)
     needs = scorer.required_fields
     prompts = load_prompts(d, policy.tokenizer, d.train, d.split, "prompt", needs)
     evals = load_prompts(d, policy.tokenizer, d.eval, d.eval_split or d.split, "eval prompt", needs) if d.eval else []
-    engine = rollout_engine(config.rollout, policy, config.seed)
-    reference = Reference(policy) if config.needs_reference else None
+    engine = rollout_engine(config.rollout, policy.unsharded(), config.seed)  # samples from whole weights
     kl_ctl = make_kl_controller(a.kl_coef, a.kl_target, a.kl_adapt_factor)
     sampler = PromptSampler(len(prompts), config.seed, d.shuffle)
     update_gen = torch.Generator().manual_seed(config.seed)
@@ -89,20 +99,22 @@ def _train(config: Config, session: TrainingSession) -> dict[str, Any]:
             step_start = _StepStart({"sampler": sampler, "engine": engine})
             try:
                 rollout = collect_rollout(engine, sampler, prompts, scorer, params, config.rollout.prompts_per_step,
-                                          a.dynamic_sampling, a.dynamic_sampling_max_rounds)
+                                          a.dynamic_sampling, a.dynamic_sampling_max_rounds, world)
             except ScoringInterrupted:  # Ctrl-C while rewards ran: finish() saves the last completed step
                 step_start.restore()
                 break
             except RewardError as exc:
                 _halt(session, step_start, str(exc))
-            rollout.metrics.update(_scoring_report(session, scorer))
+            rollout.metrics.update(world_sums(world, _scoring_report(session, scorer)))
             _check_infra(session, rollout, sc.max_infra_error_rate, step_start)
             metrics = online_step(session, rollout, reference, kl_ctl, settings, update_gen, critic)
             if metrics is None:  # every update was skipped (non-finite): draw a new batch
                 continue
+            session.sync_mirror()  # a distributed run's whole copy, which the engine samples from
             engine.sync_weights()
             session.step += 1
-            metrics.update(session.monitor.completion_metrics([c.text for c in rollout.completions]))
+            texts = [t for part in world.gather([c.text for c in rollout.completions]) for t in part]
+            metrics.update(session.monitor.completion_metrics(texts))
             metrics["time/step"] = time.perf_counter() - start
             metrics["tokens_per_s"] = metrics["completion/tokens"] / metrics["time/step"]
             failed = None
@@ -116,23 +128,30 @@ def _train(config: Config, session: TrainingSession) -> dict[str, Any]:
                 session.fail_evaluation(failed)
             if session.checkpoint_due():
                 session.save_checkpoint()
+        train_summary = {f"train/{k}": v for k, v in last.items() if k in ("reward/mean", "kl", "entropy")}
+        session.close_display()
+        summary = session.finish({**train_summary, **eval_metrics})
+        if critic is not None and summary["status"] == "completed":
+            critic.export(session.run.final / "critic")
+        return summary
     finally:
         session.close_display()
         session._restore_signal_handlers()  # also when an error ends the run (a notebook keeps its Ctrl-C)
+        # last: a vLLM engine tears down the process group it joined (in a distributed run, ours),
+        # so every rank must be past its last collective first
+        if world.active and sys.exc_info()[0] is None:
+            world.barrier()
         engine.close()
-    train_summary = {f"train/{k}": v for k, v in last.items() if k in ("reward/mean", "kl", "entropy")}
-    summary = session.finish({**train_summary, **eval_metrics})
-    if critic is not None and summary["status"] == "completed":
-        critic.export(session.run.final / "critic")
-    return summary
 
 
 def online_step(session: TrainingSession, rollout: Rollout, reference: Reference | None, kl_ctl: Any,
                 s: UpdateSettings, generator: torch.Generator, critic: Critic | None = None,
                 ) -> dict[str, float] | None:
-    """Advantages and policy updates for one scored rollout; returns the step's metrics."""
+    """Advantages and policy updates for one scored rollout; returns the step's metrics. In a
+    distributed run `rollout` is this rank's share; metrics and advantages are the global batch's."""
+    world = session.world
     metrics = _rollout_metrics(session, rollout, kl_ctl.value)
-    if not rollout.completions:
+    if not world.any(bool(rollout.completions)):
         return {**metrics, "update/skipped_no_signal": 1.0}
     start = time.perf_counter()
     device = session.policy.device
@@ -143,20 +162,27 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
     # KL to the reference on the sampled tokens: a loss term, or a penalty in the token rewards
     ref_lp = kl_tok = None
     if reference is not None:
-        ref_lp = reference_logprobs(reference, batch, s.temperature, s.micro_batch_size)
+        ref_lp = reference_logprobs(reference, batch, s.temperature, s.micro_batch_size, world)
         kl_tok = KL_ESTIMATORS[s.kl_estimator](batch.sampling_logprobs, ref_lp)  # [N, T]
-        metrics["kl"] = float((kl_tok * batch.completion_mask).sum() / batch.completion_mask.sum().clamp(min=1))
+        kl_sum, tokens = world.sum([float((kl_tok * batch.completion_mask).sum()), float(batch.completion_mask.sum())])
+        metrics["kl"] = kl_sum / max(tokens, 1.0)
     beta = kl_ctl.value
     penalty = beta * kl_tok if (s.kl_in_reward and kl_tok is not None and beta > 0) else None
     rewards_tok = token_rewards(rollout.rewards, batch, penalty)  # [N, T]
 
-    # advantages: the preset's estimator, or GAE over the critic's values (PPO)
+    # advantages over the global batch (group baselines, batch whitening, GAE over the critic's
+    # values): every rank computes the same, then keeps its rows
+    values = critic.values(batch, world) if critic is not None else None
+    global_rows, (first, stop) = gather_rows(world, rewards_tok, batch.completion_mask, batch.group_ids, valid,
+                                             *(() if values is None else (values,)))
+    rewards_g, mask_g, groups_g, valid_g = global_rows[:4]
     if critic is None:
-        advantages, adv_metrics = ADVANTAGE_ESTIMATORS[s.advantage](
-            rewards_tok, batch.completion_mask, batch.group_ids, valid, std_floor=s.std_floor, gamma=s.gamma,
-            lam=s.lam)
+        advantages_g, adv_metrics = ADVANTAGE_ESTIMATORS[s.advantage](
+            rewards_g, mask_g.bool(), groups_g, valid_g.bool(), std_floor=s.std_floor, gamma=s.gamma, lam=s.lam)
     else:
-        advantages, adv_metrics = critic.advantages(batch, rewards_tok, valid)
+        advantages_g, adv_metrics = critic.targets.gae_advantages(global_rows[4], mask_g.bool(), groups_g, rewards_g,
+                                                                  valid_g.bool(), (first, stop))
+    advantages = advantages_g[first:stop, : batch.completion_len]
     metrics.update(adv_metrics)
 
     # mu epochs x minibatches of clipped policy-gradient steps (the critic learns alongside)
@@ -178,18 +204,33 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
 
 
 def _rollout_metrics(session: TrainingSession, rollout: Rollout, beta: float) -> dict[str, float]:
-    metrics: dict[str, float] = {**rollout.scores.metrics(), **rollout.metrics}
+    """The step's reward and length metrics over every rank's completions."""
+    world = session.world
+    local = (rollout.scores, [len(c.completion_ids) for c in rollout.completions],
+             [c.finish_reason for c in rollout.completions])
+    parts = world.gather(local)
+    scores = Scores([t for p in parts for t in p[0].total],
+                    {k: [v for p in parts for v in p[0].components.get(k, [])] for k in rollout.scores.components})
+    lengths = [n for p in parts for n in p[1]]
+    finishes = [f for p in parts for f in p[2]]
+    metrics: dict[str, float] = {**scores.metrics(), **rollout.metrics}
     metrics["reward/infra_error_rate"] = metrics.pop("reward/unverifiable_frac")
-    lengths = [len(c.completion_ids) for c in rollout.completions]
     n = max(len(lengths), 1)
     metrics.update({"completion/length_mean": sum(lengths) / n, "completion/length_max": float(max(lengths, default=0)),
-                    "completion/truncation_rate": sum(c.finish_reason == "length" for c in rollout.completions) / n,
+                    "completion/truncation_rate": sum(f == "length" for f in finishes) / n,
                     "completion/tokens": float(sum(lengths)), "lr": session.lr, "beta": beta})
     return metrics
 
 
+def world_sums(world: World, metrics: dict[str, float]) -> dict[str, float]:
+    """Counters summed over ranks (every rank sees the same keys: a missing one counts 0)."""
+    acc = MetricAccumulator()
+    acc.add(metrics)
+    return acc.reduce(world).sums()
+
+
 def _check_infra(session: TrainingSession, rollout: Rollout, limit: float, step_start: "_StepStart") -> None:
-    total = rollout.rewards
+    total = [r for rewards in session.world.gather(rollout.rewards) for r in rewards]
     rate = sum(r is None for r in total) / max(len(total), 1)
     if rate > limit:
         step_start.restore()

@@ -38,6 +38,8 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float | None) -> 
     """Global gradient norm before clipping (clipping only when max_norm is set)."""
     grads = [p for p in params if p.grad is not None]
     if max_norm is None:
-        norms = [p.grad.detach().norm(2) for p in grads]
-        return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.tensor(0.0)
-    return torch.nn.utils.clip_grad_norm_(grads, max_norm)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in grads]) if grads else torch.tensor(0.0)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(grads, max_norm)
+    # sharded gradients (FSDP) give a distributed tensor: the norm over every rank's shard
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

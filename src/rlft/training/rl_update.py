@@ -24,6 +24,7 @@ from rlft.config import Config
 from rlft.models.forward import completion_logprobs
 from rlft.models.loading import Reference
 from rlft.monitor.stats import MetricAccumulator
+from rlft.training.distributed import SINGLE, World, loss_scale
 from rlft.rollout.batch import RolloutBatch
 
 
@@ -99,22 +100,32 @@ def token_rewards(rewards: list[float | None], batch: RolloutBatch, kl_penalty: 
     return out
 
 
+def lockstep_chunks(world: World, n_rows: int, size: int | None) -> list[Tensor | None]:
+    """Row ranges [0, n) in chunks of `size`, padded with None to the busiest rank's count: a
+    sharded model's forward is collective, so every rank runs it as often (None: a throwaway
+    forward on row 0)."""
+    step = size or max(n_rows, 1)
+    chunks: list[Tensor | None] = [torch.arange(i, min(i + step, n_rows)) for i in range(0, n_rows, step)]
+    return chunks + [None] * (int(world.max([len(chunks)])[0]) - len(chunks))
+
+
 @torch.no_grad()
-def batch_logprobs(model: Any, batch: RolloutBatch, temperature: float, micro: int | None) -> Tensor:
+def batch_logprobs(model: Any, batch: RolloutBatch, temperature: float, micro: int | None,
+                   world: World = SINGLE) -> Tensor:
     """Log-probs of every completion token under `model`, in micro-batches, no gradient  # [N, T]"""
     out = torch.zeros_like(batch.sampling_logprobs)
-    step = micro or batch.size
-    for start in range(0, batch.size, step):
-        rows = torch.arange(start, min(start + step, batch.size), device=batch.input_ids.device)
-        sub = batch.select(rows)
+    for rows in lockstep_chunks(world, batch.size, micro):
+        sub = batch.select(rows if rows is not None else torch.arange(1))
         lp, _ = completion_logprobs(model, sub.input_ids, sub.attention_mask, sub.completion_len, temperature)
-        out[rows, : sub.completion_len] = lp
+        if rows is not None:
+            out[rows.to(out.device), : sub.completion_len] = lp
     return out
 
 
-def reference_logprobs(reference: Reference, batch: RolloutBatch, temperature: float, micro: int | None) -> Tensor:
+def reference_logprobs(reference: Reference, batch: RolloutBatch, temperature: float, micro: int | None,
+                       world: World = SINGLE) -> Tensor:
     with reference.model() as ref_model:
-        return batch_logprobs(ref_model, batch, temperature, micro)
+        return batch_logprobs(ref_model, batch, temperature, micro, world)
 
 
 def engine_mismatch(trainer_lp: Tensor, engine_lp: Tensor, mask: Tensor) -> dict[str, float]:
@@ -132,8 +143,10 @@ def engine_mismatch(trainer_lp: Tensor, engine_lp: Tensor, mask: Tensor) -> dict
 def policy_update(trainer: Trainer, batch: RolloutBatch, advantages: Tensor, ref_logprobs: Tensor | None,
                   beta: float, s: UpdateSettings, generator: torch.Generator,
                   extra: ExtraLoss | None = None) -> dict[str, float]:
-    """mu epochs x minibatches optimizer steps; returns metrics averaged over them."""
+    """mu epochs x minibatches optimizer steps; returns metrics averaged over them (over every rank's
+    tokens in a distributed run, where each rank updates on its own rows)."""
     model = trainer.policy.model
+    world = getattr(trainer, "world", SINGLE)
     model.train()
     loss_mask = batch.completion_mask & ~batch.truncated[:, None] if s.mask_truncated else batch.completion_mask
     use_kl = s.kl_in_loss and beta > 0 and ref_logprobs is not None
@@ -143,34 +156,41 @@ def policy_update(trainer: Trainer, batch: RolloutBatch, advantages: Tensor, ref
     carries_signal &= loss_mask.any(-1)
     stats = MetricAccumulator()
     old_logprobs = None
-    if not s.single_pass and bool(carries_signal.any()):
-        old_logprobs = batch_logprobs(model, batch, s.temperature, s.micro_batch_size)
+    if not s.single_pass and world.any(bool(carries_signal.any())):
+        old_logprobs = batch_logprobs(model, batch, s.temperature, s.micro_batch_size, world)
         stats.add(engine_mismatch(old_logprobs, batch.sampling_logprobs, loss_mask))
     applied_steps = 0
     for _ in range(s.epochs):
         order = torch.randperm(batch.size, generator=generator) if s.minibatches > 1 else torch.arange(batch.size)
         for chunk in order.chunk(s.minibatches):
             chunk = chunk.to(batch.input_ids.device)
-            norms = {"num_tokens": float(loss_mask[chunk].sum()), "num_sequences": float(loss_mask[chunk].any(-1).sum())}
+            # the minibatch's normalisers count every rank's tokens: the ranks' losses add up to it
+            tokens, sequences = world.sum([float(loss_mask[chunk].sum()), float(loss_mask[chunk].any(-1).sum())])
+            norms = {"num_tokens": tokens, "num_sequences": sequences}
             rows = chunk[carries_signal[chunk]]
-            if rows.numel() == 0:
+            if not world.any(rows.numel() > 0):  # no rank has a row that moves the loss
                 stats.add({"update/skipped_no_signal": 1.0})
                 continue
+            micro = _micro_batches(batch, rows, s.micro_batch_size) if rows.numel() else []
             loss_value = 0.0
-            for micro_rows in _micro_batches(batch, rows, s.micro_batch_size):
+            for i in range(int(world.max([len(micro)])[0])):
+                real = i < len(micro)
+                micro_rows = micro[i] if real else torch.zeros(1, dtype=torch.long, device=chunk.device)
                 sub = batch.select(micro_rows)
                 mask = loss_mask[micro_rows, : sub.completion_len]
                 old = None if old_logprobs is None else old_logprobs[micro_rows, : sub.completion_len]
                 ref = ref_logprobs[micro_rows, : sub.completion_len] if use_kl else None
                 loss, m = _micro_loss(model, sub, micro_rows, mask, advantages, old, ref, beta, s, norms, extra)
-                loss.backward()
-                loss_value += float(loss.detach())
-                stats.add(m, float(mask.sum()))
+                # a throwaway micro-batch (a rank with fewer rows) only keeps the collectives in step
+                (loss * (loss_scale(world) if real else 0.0)).backward()
+                if real:
+                    loss_value += float(loss.detach())
+                    stats.add(m, float(mask.sum()))
             applied, grad_norm = trainer.optimizer_step(loss_value)
             if applied:
                 applied_steps += 1
-                stats.add({"loss": loss_value, "grad_norm": grad_norm})
-    out = stats.means()
+                stats.add({"loss": world.sum([loss_value])[0], "grad_norm": grad_norm})
+    out = stats.reduce(world).means()
     out["update/optimizer_steps"] = float(applied_steps)
     return out
 

@@ -33,6 +33,7 @@ from rlft.monitor.monitor import Monitor
 from rlft.monitor.rundir import RunDir
 from rlft.rewards.calls import ScoringInterrupted
 from rlft.training import checkpoint as ckpt
+from rlft.training.distributed import SINGLE, World, full_state_dict
 from rlft.training.optim import build_optimizer, build_scheduler, clip_gradients
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def seed_everything(seed: int) -> None:
 
 
 @contextmanager
-def open_run(config: Config) -> Iterator[RunDir]:
+def open_run(config: Config, world: World = SINGLE) -> Iterator[RunDir]:
     """Set up the process (threads, seeds) and claim the run directory for `config` for as long as
     the block runs (marked and locked: see RunDir). Settings read late in a run are checked first.
     A directory that already holds a checkpointed run with a different config is refused:
@@ -61,17 +62,20 @@ def open_run(config: Config) -> Iterator[RunDir]:
     if config.training.num_threads:
         torch.set_num_threads(config.training.num_threads)
     seed_everything(config.seed)
-    run = RunDir(config.output_dir)
-    if run.config_path.exists() and ckpt.find_latest(run.checkpoints) is not None:
-        diffs = run.config_changes(config)
-        if diffs:
-            raise ResumeError(
-                f"{run.root} already holds a run with a different config ({', '.join(diffs[:5])}).\n"
-                f"Fix: continue it with `rlft train --resume {run.root}`, or choose another output_dir")
-    run.create(config)
+    run = RunDir(config.output_dir, writer=world.main)  # rank 0 alone writes the run directory
+    if world.main:
+        if run.config_path.exists() and ckpt.find_latest(run.checkpoints) is not None:
+            diffs = run.config_changes(config)
+            if diffs:
+                raise ResumeError(
+                    f"{run.root} already holds a run with a different config ({', '.join(diffs[:5])}).\n"
+                    f"Fix: continue it with `rlft train --resume {run.root}`, or choose another output_dir")
+        run.create(config)
+    world.barrier()  # the other ranks read what rank 0 prepared
     try:
-        for warning in config_warnings(config):
-            console.print(f"[yellow]warning: {escape(warning)}", highlight=False)
+        if world.main:
+            for warning in config_warnings(config):
+                console.print(f"[yellow]warning: {escape(warning)}", highlight=False)
         yield run
     finally:
         run.release()
@@ -141,13 +145,16 @@ class RunClock:
 class TrainingSession:
     def __init__(self, run: RunDir, policy: LoadedModel, training: TrainingConfig, checkpointing: CheckpointConfig,
                  *, progress: bool = True, log_every: int = 1, allow_template_change: bool = False,
-                 monitor: Monitor | None = None, loggers: LoggerGroup | None = None):
+                 monitor: Monitor | None = None, loggers: LoggerGroup | None = None, world: World = SINGLE):
         self.run = run
         self.policy = policy
+        self.world = world
         self.training = training
         self.checkpointing = checkpointing
-        self.progress, self.log_every = progress, log_every
+        self.progress, self.log_every = progress and world.main, log_every
         self.allow_template_change = allow_template_change
+        # everything the optimizer trains, by name (the names key its state in checkpoints)
+        self.trainables = torch.nn.ModuleDict({"policy": policy.model})
         self.params = policy.trainable_parameters()
         self.optimizer = build_optimizer(self.params, training)
         self.scheduler = None
@@ -163,8 +170,9 @@ class TrainingSession:
         self.early_stop: str | None = None
         self.clock = RunClock()
         self._saved_step: int | None = None
-        self._parts: dict[str, Stateful] = {"optimizer": self.optimizer, "nonfinite": self.guard,
-                                            "monitor": self.monitor, "clock": self.clock}
+        self._parts: dict[str, Stateful] = {"optimizer": OptimizerState(self.trainables, self.optimizer),
+                                            "nonfinite": self.guard, "monitor": self.monitor, "clock": self.clock}
+        self._mirror_stale = False
         self._old_handlers: dict[int, Any] = {}
 
     def register(self, name: str, part: Stateful) -> None:
@@ -174,10 +182,12 @@ class TrainingSession:
         self._parts[name] = part
 
     # -- optimisation -------------------------------------------------------------------------
-    def add_parameters(self, params: list[torch.nn.Parameter]) -> None:
-        """Train extra parameters with the policy (e.g. PPO's shared value head); before start()."""
+    def add_module(self, name: str, module: torch.nn.Module) -> None:
+        """Train a module's parameters with the policy (e.g. PPO's shared value head); before start()."""
         if self.scheduler is not None:
-            raise RuntimeError("add_parameters must be called before start()")
+            raise RuntimeError("add_module must be called before start()")
+        self.trainables[name] = module
+        params = [p for p in module.parameters() if p.requires_grad]
         self.optimizer.add_param_group({"params": params})
         self.params.extend(params)
 
@@ -192,6 +202,7 @@ class TrainingSession:
         """Clip and step, unless the loss or gradient norm is non-finite: then the update is skipped
         (parameters, optimizer and scheduler unchanged) and counted. The loop owns `self.step`."""
         grad_norm = float(clip_gradients(self.params, self.training.max_grad_norm))
+        loss_value = self.world.sum([loss_value])[0]  # every rank takes the same decision
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
         self.guard.record(finite)
         if not finite:
@@ -208,7 +219,17 @@ class TrainingSession:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._mirror_stale = True
         return True, grad_norm
+
+    def sync_mirror(self) -> None:
+        """Bring the unsharded copy of a distributed run's policy (what rollouts, checkpoints and
+        the export read) up to the trained shards (collective; nothing in a single process)."""
+        mirror = self.policy.mirror
+        if mirror is None or not self._mirror_stale:
+            return
+        mirror.model.load_state_dict(full_state_dict(self.policy.model, self.world))
+        self._mirror_stale = False
 
     @property
     def nonfinite_total(self) -> int:
@@ -221,8 +242,14 @@ class TrainingSession:
     # -- checkpoints --------------------------------------------------------------------------
     @property
     def stopping(self) -> bool:
-        """A reason to end the loop after this step: a signal, a stop alert, an early stop."""
-        return bool(self.stop_signal or self.halt or self.early_stop)
+        """A reason to end the loop after this step: a signal, a stop alert, an early stop. In a
+        distributed run the ranks agree (a signal one rank got stops them all at the same step)."""
+        local = bool(self.stop_signal or self.halt or self.early_stop)
+        if not self.world.active:
+            return local
+        if self.world.any(bool(self.stop_signal)) and self.stop_signal is None:
+            self.stop_signal = "SIGTERM"  # another rank's signal
+        return self.world.any(local)
 
     def save_checkpoint(self) -> Path:
         """Save, keeping the last N and (with checkpoint.keep_best) the best by a logged metric."""
@@ -231,11 +258,18 @@ class TrainingSession:
         cfg = self.checkpointing
         best = ckpt.read_best(self.run.checkpoints)
         protect = {best["checkpoint"]} if best else set()
-        parts = {name: part.state_dict() for name, part in self._parts.items()}
-        path = ckpt.save_checkpoint(self.run.checkpoints, self.step, self.policy.model, self.policy.is_lora,
-                                    self.policy.tokenizer, {"parts": parts}, cfg.keep_last, protect)
+        self.sync_mirror()
+        sharded = self.world.active  # optimizer states stay sharded: every rank writes its part
+        parts = {name: part.state_dict() for name, part in self._parts.items()
+                 if not (sharded and getattr(part, "sharded", False))}
+        shards = {name: part.state_dict() for name, part in self._parts.items()
+                  if sharded and getattr(part, "sharded", False)}
+        weights = self.policy.unsharded()
+        path = ckpt.save_checkpoint(self.run.checkpoints, self.step, weights.model, weights.is_lora,
+                                    self.policy.tokenizer, {"parts": parts, "world_size": self.world.size},
+                                    cfg.keep_last, protect, world=self.world, sharded=shards or None)
         value = self.last_metrics.get(cfg.keep_best) if cfg.keep_best else None
-        if value is not None and math.isfinite(value):
+        if value is not None and math.isfinite(value) and self.world.main:
             better = best is None or (value > best["value"] if cfg.best_mode == "max" else value < best["value"])
             if better:
                 ckpt.record_best(self.run.checkpoints, path.name, cfg.keep_best, value)
@@ -261,14 +295,21 @@ class TrainingSession:
             self.run.truncate_logs(0)  # logs of an attempt that never reached a checkpoint
             return False
         check_template(path, self.policy.tokenizer, self.allow_template_change)
-        ckpt.load_model_weights(self.policy.model, self.policy.is_lora, path)
+        self._load_weights(path)
         state = ckpt.load_trainer_state(path)
-        missing = sorted(set(self._parts) - set(state["parts"]))
+        template = {name: part.state_dict() for name, part in self._parts.items() if getattr(part, "sharded", False)}
+        shards = ckpt.load_sharded(path, template) or {}  # written by several ranks: resharded onto this run
+        missing = sorted(set(self._parts) - set(state["parts"]) - set(shards))
         if missing:
             raise ResumeError(f"{path} has no saved state for {', '.join(missing)} (written by another rlft "
                               "version or method).\nFix: start the run again in a new output_dir")
         for name, part in self._parts.items():
-            part.load_state_dict(state["parts"][name])
+            if name in shards:
+                part.load_state_dict(shards[name])
+            elif getattr(part, "sharded", False) and self.world.active:
+                part.load_full_state_dict(state["parts"][name])  # one process wrote it whole
+            else:
+                part.load_state_dict(state["parts"][name])
         self.step = state["step"]
         ckpt.set_rng_state(state["rng"])
         self.run.truncate_logs(self.step)
@@ -280,6 +321,17 @@ class TrainingSession:
         if self.display is not None:
             self.display.update(self.step, {})
         return True
+
+    def _load_weights(self, path: Path) -> None:
+        """The checkpoint's (whole) weights into the policy; in a distributed run into the
+        unsharded copy, then into every rank's shards."""
+        target = self.policy.unsharded()
+        ckpt.load_model_weights(target.model, target.is_lora, path)
+        if self.policy.mirror is not None:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(self.policy.model, target.model.state_dict(),
+                                 options=StateDictOptions(full_state_dict=True))
 
     def eval_due(self) -> bool:
         """After every `training.eval_every` steps, and after the last step."""
@@ -322,6 +374,8 @@ class TrainingSession:
 
     # -- output -------------------------------------------------------------------------------
     def print(self, *args: Any) -> None:
+        if not self.world.main:
+            return
         if self.display is not None:
             self.display.print(*args)
         else:
@@ -367,9 +421,10 @@ class TrainingSession:
         path = self.save_checkpoint()
         saved = f"checkpoint {path}"
         if self.step >= self.total_steps:
-            export_model(self.policy, self.run.final)
+            self._export(self.policy.unsharded())
             saved += f" and the final model {self.run.final}"
         self.run.update_summary({"status": "eval_failed", "step": self.step, "error": reason})
+        self.world.barrier()
         raise TrainingHalted(f"the evaluation after step {self.step} failed: {reason}\nThe trained weights are safe: "
                              f"{saved}. Fix the evaluation, then evaluate with `rlft eval {self.run.root}` or "
                              f"continue with `rlft train --resume {self.run.root}`")
@@ -405,13 +460,19 @@ class TrainingSession:
     def _export_final(self) -> str:
         """final/ from the last weights, or (checkpoint.final: best) from the best checkpoint."""
         best = ckpt.read_best(self.run.checkpoints) if self.checkpointing.final == "best" else None
+        weights = self.policy.unsharded()
         if best is None:
-            export_model(self.policy, self.run.final)
+            self._export(weights)
             return f"step {self.step} (last)"
         path = self.run.checkpoints / best["checkpoint"]
-        ckpt.load_model_weights(self.policy.model, self.policy.is_lora, path)
-        export_model(self.policy, self.run.final)
+        ckpt.load_model_weights(weights.model, weights.is_lora, path)
+        self._export(weights)
         return f"{best['checkpoint']} (best {best['metric']} = {best['value']:.4g})"
+
+    def _export(self, weights: LoadedModel) -> None:
+        if self.world.main:
+            export_model(weights, self.run.final)
+        self.world.barrier()
 
     def _no_update_warning(self) -> str:
         return (f"no optimizer step was taken in {self.step} steps: the model in final/ is the starting model. "
@@ -424,11 +485,42 @@ class TrainingSession:
             self.display = None
 
 
-def session_for(config: Config, run: RunDir, policy: LoadedModel) -> TrainingSession:
+def session_for(config: Config, run: RunDir, policy: LoadedModel, world: World = SINGLE) -> TrainingSession:
     """The session of a run, from its config's sections; the logging backends are built here, so a
-    missing package stops the run before training."""
-    loggers = build_loggers(config.logging.backends, run.root, run.root.name, config.logging)
-    loggers.log_config(config.model_dump(mode="json"))
+    missing package stops the run before training. In a distributed run rank 0 alone logs and
+    writes events; every rank watches the same (all-reduced) metrics, so all decide alike."""
+    loggers = LoggerGroup([])
+    if world.main:
+        loggers = build_loggers(config.logging.backends, run.root, run.root.name, config.logging)
+        loggers.log_config(config.model_dump(mode="json"))
+    monitor = Monitor(config.monitor, run.root if world.main else None)
     return TrainingSession(run, policy, config.training, config.checkpoint, progress=config.logging.progress,
                            log_every=config.logging.log_every, allow_template_change=config.model.allow_template_change,
-                           monitor=Monitor(config.monitor, run.root), loggers=loggers)
+                           monitor=monitor, loggers=loggers, world=world)
+
+
+class OptimizerState:
+    """The optimizer's state keyed by parameter names, not positions: a checkpoint loads on another
+    number of ranks (and into a run whose sharding differs). Sharded in a distributed run: every
+    rank saves and loads its own part (torch.distributed.checkpoint)."""
+
+    sharded = True
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.module, self.optimizer = module, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.module, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.module, self.optimizer, state)
+
+    def load_full_state_dict(self, state: dict[str, Any]) -> None:
+        """A whole (one-process) state into a sharded run."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.module, self.optimizer, state, options=StateDictOptions(full_state_dict=True))

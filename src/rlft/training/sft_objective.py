@@ -71,7 +71,7 @@ class SftObjective:
             total += float(sft_token_nll(model, batch["input_ids"], batch["attention_mask"], batch["target_mask"]))
             count += self.normaliser(chunk)
         metrics = {"eval/loss": total / count, "eval/perplexity": math.exp(min(total / count, 50.0))}
-        engine = build_engine(policy, self.seed, batch_size=self.evaluation.batch_size)
+        engine = build_engine(policy.unsharded(), self.seed, batch_size=self.evaluation.batch_size)
         prompts = [prompt_example(policy.tokenizer, e.where, e.prompt_messages, e.fields) for e in examples]
         result = evaluate_prompts(engine, prompts, self.evaluation, self.scorer, seed=self.seed)
         metrics.update(result.metrics)

@@ -1,0 +1,5 @@
+"""`python -m rlft ...`: the `rlft` command (what torchrun starts: torchrun ... -m rlft train CONFIG)."""
+
+from rlft.cli import main
+
+main()

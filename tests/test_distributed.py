@@ -1,0 +1,187 @@
+"""Data parallelism on torch.distributed (FSDP2 over gloo on this CPU, two ranks under torchrun):
+N ranks compute what one process would, checkpoints move between world sizes, and a dead rank
+ends the job instead of hanging it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from conftest import DIGITS_REWARD
+from rlft.demo.arithmetic import preference_rows, split_problems
+from rlft.models.tiny import build_tiny_model
+
+DRIVER = str(Path(__file__).parent / "dist_driver.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("dist")
+    build_tiny_model(root / "model", seed=0)
+    (root / "reward.py").write_text(DIGITS_REWARD)
+    (root / "sft.jsonl").write_text("".join(
+        json.dumps({"prompt": f"What is {i} + {i % 7}?", "completion": f"The answer is {i + i % 7}."}) + "\n"
+        for i in range(24)))
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"Count to {i}."}) + "\n" for i in range(16)))
+    pairs = preference_rows(split_problems()[0][:12], seed=3)
+    (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
+    return root
+
+
+def config(root: Path, method: str, name: str, lora: bool = False, **training) -> Path:
+    cfg = {"method": method, "output_dir": str(root / name), "seed": 0,
+           "model": {"path": str(root / "model"), "device": "cpu"},
+           "lora": {"enabled": lora, "r": 4, "alpha": 8, "dropout": 0.0},
+           # adam_eps 1e-6: a gradient element near 0 differs between layouts only by summation-order
+           # noise, which Adam's g / sqrt(v) would blow up to a full learning-rate step at eps 1e-8
+           "training": {"learning_rate": 1e-3, "adam_eps": 1e-6, "num_threads": 1, "lr_scheduler": "constant",
+                        "dist_timeout_s": 60, **training},
+           "checkpoint": {"every": 1, "keep_last": 3}, "logging": {"progress": False}}
+    if method == "sft":
+        cfg["data"] = {"train": str(root / "sft.jsonl"), "max_length": 64, "shuffle": False}
+        cfg["training"].setdefault("batch_size", 8)
+    elif method == "dpo":
+        cfg["data"] = {"train": str(root / "pairs.jsonl"), "max_length": 96}
+        cfg["training"].setdefault("batch_size", 4)
+    else:
+        cfg["data"] = {"train": str(root / "prompts.jsonl")}
+        cfg["rollout"] = {"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 8}
+        cfg["rewards"] = [{"fn": f"{root / 'reward.py'}:digits"}]
+    cfg["training"].setdefault("max_steps", 3)
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def launch(*configs: Path, replay: bool = True, ranks: int = 2, env: dict | None = None,
+           timeout: float = 600) -> subprocess.CompletedProcess:
+    """The configs run one after another in `ranks` processes (torchrun), or in one plain process."""
+    args = [DRIVER, *(["replay"] if replay else []), *map(str, configs)]
+    command = [sys.executable, *args] if ranks == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env={**ENV, **(env or {})})
+
+
+def in_process(cfg: Path, replay: bool = True) -> dict:
+    """A single-process run in this process (the reference the ranks are compared with)."""
+    import rlft.training.online as online
+    from dist_driver import use_replay_engine
+    from rlft.api import train
+
+    real = online.rollout_engine
+    if replay:
+        use_replay_engine()
+    try:
+        return train(cfg)
+    finally:
+        online.rollout_engine = real
+        torch.set_num_threads(1)
+
+
+def weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "final" / "model.safetensors"))
+
+
+def assert_close_weights(a: Path, b: Path, atol: float) -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+    assert worst <= atol, worst
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+RUNS = [("sft", False), ("sft", True), ("dpo", False), ("grpo", False), ("grpo", True)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(root) -> subprocess.CompletedProcess:
+    """Every method of RUNS trained on two ranks, then GRPO with a vLLM engine per rank (one
+    torchrun: the processes start once; the vLLM run last, since an engine leaves its process
+    group behind it when it closes)."""
+    runs = [config(root, m, f"{m}{'-lora' if lora else ''}-2", lora) for m, lora in RUNS]
+    vllm = config(root, "grpo", "grpo-vllm-2")
+    cfg = yaml.safe_load(vllm.read_text())
+    cfg["rollout"].update(engine="vllm", vllm={"kv_cache_bytes": 1 << 26})
+    vllm.write_text(yaml.safe_dump(cfg))
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           DRIVER, "replay", *map(str, runs), "vllm:" + str(vllm)],
+                          capture_output=True, text=True, timeout=900, env=ENV)
+
+
+@pytest.mark.parametrize("method, lora", RUNS)
+def test_two_ranks_train_what_one_process_trains(root, two_ranks, method, lora):
+    """Same global batch, same data (for GRPO the same completions: see dist_driver.py): after 3
+    optimizer steps the parameters agree to 1e-5 and so do the logged losses."""
+    assert two_ranks.returncode == 0, two_ranks.stderr[-3000:]
+    name = f"{method}{'-lora' if lora else ''}"
+    assert in_process(config(root, method, f"{name}-1", lora))["status"] == "completed"
+    assert_close_weights(root / f"{name}-2", root / f"{name}-1", atol=1e-5)
+    m2, m1 = metrics(root / f"{name}-2"), metrics(root / f"{name}-1")
+    assert [r["step"] for r in m2] == [r["step"] for r in m1] == [1, 2, 3]
+    assert [r["loss"] for r in m2] == pytest.approx([r["loss"] for r in m1], rel=1e-5, abs=1e-7)
+    assert (root / f"{name}-2" / "checkpoints" / "step-00000003" / "dcp").is_dir()  # every rank's shard
+
+
+def test_each_rank_samples_on_its_own_vllm_engine(root, two_ranks):
+    """rollout.engine: vllm on two ranks: one engine per rank, fed the weights gathered from the
+    shards after every step (its log-probs equal the trainer's before each update)."""
+    assert two_ranks.returncode == 0, two_ranks.stderr[-3000:]
+    rows = metrics(root / "grpo-vllm-2")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["rollout/logprob_diff_max"] < 1e-3 for r in rows), [r["rollout/logprob_diff_max"] for r in rows]
+
+
+@pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
+def test_a_run_killed_on_one_world_size_resumes_on_another(root, first, then):
+    """SIGKILL right after the step-2 checkpoint, resumed on the other world size to step 4: it
+    ends where an uninterrupted run ends (to float tolerance: summation order differs between
+    layouts; on the same layout a resume is bitwise, see test_resume.py)."""
+    name = f"kill-{first}to{then}"
+    cfg = config(root, "grpo", name, max_steps=4)
+    killed = launch(cfg, ranks=first, env={"RLFT_FAULT": "ckpt-done@2"})
+    assert killed.returncode != 0
+    assert (root / name / "checkpoints" / "step-00000002" / "COMPLETE").is_file()
+    assert not (root / name / "final").exists()
+    if then == 1:
+        assert in_process(cfg)["status"] == "completed"
+    else:
+        resumed = launch(cfg, ranks=then)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert in_process(config(root, "grpo", f"whole-{name}", max_steps=4))["status"] == "completed"
+    assert_close_weights(root / name, root / f"whole-{name}", atol=1e-5)
+    assert [r["step"] for r in metrics(root / name)] == [1, 2, 3, 4]
+
+
+def test_a_dead_rank_ends_the_job_instead_of_hanging_it(root):
+    cfg = config(root, "grpo", "dead-rank", max_steps=200)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             DRIVER, "replay", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=ENV, start_new_session=True)
+    run = root / "dead-rank"
+    deadline = time.time() + 300
+    while not (run / "checkpoints" / "step-00000002" / "COMPLETE").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    workers = [int(p) for p in subprocess.run(["pgrep", "-f", f"dist_driver.py replay {cfg}"], capture_output=True,
+                                              text=True).stdout.split() if int(p) != proc.pid]
+    assert len(workers) == 2, workers
+    started = time.time()
+    os.kill(max(workers), signal.SIGKILL)  # one rank dies mid-run
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert time.time() - started < 60  # well within dist_timeout_s (60): torchrun saw it die
+    assert "exitcode  : -9" in err or "Signal 9" in err or "SIGKILL" in err, err[-2000:]
