@@ -63,7 +63,7 @@ def use_replay_engine() -> None:
     import rlft.training.online as online
     from rlft.rollout.hf import generation_stop_ids
 
-    online.rollout_engine = lambda cfg, policy, seed: ReplayEngine(
+    online.rollout_engine = lambda cfg, policy, seed, dtype=None: ReplayEngine(
         policy.tokenizer, generation_stop_ids(policy.model, policy.tokenizer))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -110,6 +111,12 @@ class _GradRecorder:
 
     def __init__(self, policy):
         self.policy, self.grads = policy, []
+
+    def autocast(self):
+        return contextlib.nullcontext()
+
+    def backward(self, loss):
+        loss.backward()
 
     def optimizer_step(self, loss_value):
         self.grads.append({n: p.grad.clone() for n, p in self.policy.model.named_parameters() if p.grad is not None})
@@ -345,8 +352,8 @@ def test_drift_is_read_before_any_update_and_warns_only_on_engine_mismatch(setup
     # an engine whose log-probs are 0.5 lower than the trainer's: pi_trainer / pi_engine = e^0.5
     real = online.rollout_engine
 
-    def skewed(cfg, policy, seed):
-        engine = real(cfg, policy, seed)
+    def skewed(cfg, policy, seed, dtype=None):
+        engine = real(cfg, policy, seed, dtype)
         generate = engine.generate
 
         def shifted(prompts, params, first_prompt=0):

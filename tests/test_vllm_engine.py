@@ -329,13 +329,15 @@ def test_rollout_engine_passes_the_runs_settings(monkeypatch, qwen_path):
     from rlft.rollout.hf import generation_stop_ids
 
     seen = {}
-    monkeypatch.setattr(module, "VLLMEngine", lambda policy, stop_ids, seed, settings: seen.update(
-        policy=policy, stop_ids=stop_ids, seed=seed, settings=settings) or "engine")
+    monkeypatch.setattr(module, "VLLMEngine", lambda policy, stop_ids, seed, settings, dtype: seen.update(
+        policy=policy, stop_ids=stop_ids, seed=seed, settings=settings, dtype=dtype) or "engine")
     policy = load_policy(ModelConfig(path=str(qwen_path), device="cpu"), LoraConfig())
     cfg = RolloutConfig(engine="vllm", vllm={"kv_cache_bytes": 1 << 26})
     assert rollout_engine(cfg, policy, 7) == "engine"
     assert seen["stop_ids"] == generation_stop_ids(policy.model, policy.tokenizer) and seen["seed"] == 7
     assert seen["settings"].kv_cache_bytes == 1 << 26
+    assert seen["dtype"] is None  # fp32 training: the engine takes the weights' dtype
+    assert rollout_engine(cfg, policy, 7, torch.bfloat16) == "engine" and seen["dtype"] == torch.bfloat16
 
 
 def test_config_refuses_what_the_vllm_engine_cannot_sample():

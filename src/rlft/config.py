@@ -32,7 +32,9 @@ class ModelConfig(Section):
         None, description="Jinja chat template (inline, or a path to a .jinja file) replacing the tokenizer's own.")
     allow_template_change: bool = Field(
         False, description="Start from a checkpoint even if its chat template renders differently (not advised).")
-    dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Weight dtype; bf16/fp16 need hardware support.")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="Weight dtype; 'auto' follows training.precision (bf16 for 'bf16', else fp32). "
+                            "bf16 here with training.precision auto means pure bf16 training.")
     device: str = Field("auto", description="'auto' (CUDA if available, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint folder or hub repo.")
@@ -65,6 +67,11 @@ class DataConfig(Section):
 
 
 class TrainingConfig(Section):
+    precision: Literal["auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16"] = Field(
+        "auto", description="fp32; bf16-mixed / fp16-mixed: fp32 master weights and optimizer states, autocast "
+                            "compute (fp16 with loss scaling, CUDA only); bf16: bf16 weights and compute. auto: "
+                            "bf16-mixed where the hardware computes in bf16 (CUDA with bf16, CPU with AMX / "
+                            "AVX512-BF16), else fp32; the run prints which and why.")
     learning_rate: float | None = Field(
         None, gt=0, description="Peak learning rate (AdamW); unset: the method's default.")
     lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
@@ -92,7 +99,8 @@ class TrainingConfig(Section):
 
 class VllmSettings(Section):
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
-        "auto", description="Engine weight dtype; 'auto': the trainer's (model.dtype).")
+        "auto", description="Engine weight dtype; 'auto': the run's rollout dtype (bf16 under bf16-mixed, "
+                            "else the trainer's weights').")
     kv_cache_bytes: int | None = Field(
         None, ge=1, description="KV-cache size in bytes; None: gpu_memory_utilization decides on GPU, 1 GiB on CPU.")
     gpu_memory_utilization: float = Field(
@@ -121,6 +129,10 @@ class RolloutConfig(Section):
     max_new_tokens: int = Field(256, ge=1, description="Longest completion; reaching it is finish reason 'length'.")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings (end-of-turn and EOS always stop).")
     batch_size: int | None = Field(None, ge=1, description="Sequences generated per forward (default: all at once).")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="hf engine: the dtype rollouts compute in; auto: training's compute dtype (bf16 under "
+                            "bf16-mixed). The engine/trainer log-prob gap this causes is logged "
+                            "(rollout/logprob_diff_*). The vLLM engine: rollout.vllm.dtype.")
     fast_decode: bool = Field(
         True, description="hf engine: lean decode step for Llama/Qwen2/Mistral (falls back to the model's forward).")
     vllm: VllmSettings = Field(default_factory=VllmSettings, description="rollout.engine=vllm settings.")

@@ -33,6 +33,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """model.dtype for loading a model outside training (training resolves it with the
+    precision, see models/precision.py); 'auto' is fp32."""
+    if name == "auto":
+        return torch.float32
     if device.type == "cpu" and name == "fp16":
         raise RlftError("model.dtype=fp16 needs a CUDA GPU (fp16 training on CPU is unsupported/slow); "
                         "use model.dtype=bf16 or fp32 on CPU")
@@ -113,11 +117,11 @@ class LoadedModel:
         self.mirror = LoadedModel(copy.deepcopy(self.model), self.tokenizer, self.device, self.is_lora)
 
 
-def load_causal_lm(cfg: ModelConfig, device: torch.device) -> Any:
+def load_causal_lm(cfg: ModelConfig, device: torch.device, dtype: torch.dtype | None = None) -> Any:
     from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
-                                  dtype=resolve_dtype(cfg.dtype, device))
+                                  dtype=dtype or resolve_dtype(cfg.dtype, device))
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     check_model_folder(cfg.path)
@@ -134,12 +138,13 @@ def load_causal_lm(cfg: ModelConfig, device: torch.device) -> Any:
     return model
 
 
-def load_policy(cfg: ModelConfig, lora: LoraConfig) -> LoadedModel:
+def load_policy(cfg: ModelConfig, lora: LoraConfig, dtype: torch.dtype | None = None) -> LoadedModel:
+    """`dtype`: the weights' dtype training resolved (models/precision.py); default model.dtype."""
     device = resolve_device(cfg.device)
     check_model_folder(cfg.path)  # before the tokenizer: a wrong folder is named as such, not as a tokenizer problem
     tokenizer = load_tokenizer(cfg)
     check_template(cfg.path, tokenizer, cfg.allow_template_change)
-    model = load_causal_lm(cfg, device)
+    model = load_causal_lm(cfg, device, dtype)
     check_tokenizer(tokenizer, cfg.tokenizer_path or cfg.path, model.get_input_embeddings().num_embeddings)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -181,7 +186,7 @@ def apply_lora(model: Any, lora: LoraConfig, task_type: str = "CAUSAL_LM") -> An
                         "model (e.g. q_proj, v_proj)") from None
 
 
-def load_reward_model(cfg: ModelConfig, lora: LoraConfig) -> LoadedModel:
+def load_reward_model(cfg: ModelConfig, lora: LoraConfig, dtype: torch.dtype | None = None) -> LoadedModel:
     """A one-logit sequence classifier for reward-model training, from a causal-LM checkpoint (a new
     score head, seeded by the caller) or from an earlier reward model.
 
@@ -196,7 +201,7 @@ def load_reward_model(cfg: ModelConfig, lora: LoraConfig) -> LoadedModel:
     tokenizer = load_tokenizer(cfg)
     check_template(cfg.path, tokenizer, cfg.allow_template_change)
     kwargs: dict[str, Any] = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
-                                  dtype=resolve_dtype(cfg.dtype, device), num_labels=1)
+                                  dtype=dtype or resolve_dtype(cfg.dtype, device), num_labels=1)
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     try:

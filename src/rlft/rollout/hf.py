@@ -15,6 +15,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from rlft.models.precision import autocast_to
 from rlft.models.template import end_of_turn_ids
 from rlft.rollout.contract import Completion, SamplingParams
 from rlft.rollout.fast_decode import LeanDecoder
@@ -37,8 +38,10 @@ def generation_stop_ids(model: Any, tokenizer: Any) -> list[int]:
 
 class HFEngine:
     def __init__(self, model: Any, tokenizer: Any, stop_ids: Sequence[int], device: torch.device,
-                 seed: int = 0, batch_size: int | None = None, fast_decode: bool = True):
+                 seed: int = 0, batch_size: int | None = None, fast_decode: bool = True,
+                 compute_dtype: torch.dtype | None = None):
         self.model = model
+        self.compute_dtype = compute_dtype  # autocast to it (bf16 rollouts from fp32 master weights)
         self.tokenizer = tokenizer
         self.stop_ids = torch.tensor(sorted(set(stop_ids)), device=device)
         self.device = device
@@ -68,7 +71,7 @@ class HFEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), autocast_to(self.device, self.compute_dtype):
                 for start in range(0, len(rows), step):
                     out += self._generate_batch(rows[start:start + step], seeds[start:start + step], params)
         finally:

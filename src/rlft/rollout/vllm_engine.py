@@ -80,8 +80,11 @@ def _contained(in_process: bool) -> Iterator[None]:
 
 
 class VLLMEngine:
-    def __init__(self, policy: Any, stop_ids: Sequence[int], seed: int, settings: VllmSettings | None = None):
+    def __init__(self, policy: Any, stop_ids: Sequence[int], seed: int, settings: VllmSettings | None = None,
+                 dtype: torch.dtype | None = None):
+        """`dtype`: what rollout.vllm.dtype 'auto' means (the run's rollout dtype; default the weights')."""
         self.settings = settings = settings or VllmSettings()
+        self._auto_dtype = dtype
         self.tokenizer = policy.tokenizer
         self.model = policy.model
         self.is_lora = bool(policy.is_lora)
@@ -108,7 +111,8 @@ class VLLMEngine:
 
     def _engine_args(self, s: VllmSettings) -> dict[str, Any]:
         base = base_model_of(self.model)
-        dtype = _VLLM_DTYPES[s.dtype] if s.dtype != "auto" else str(base.dtype).removeprefix("torch.")
+        auto = self._auto_dtype or base.dtype
+        dtype = _VLLM_DTYPES[s.dtype] if s.dtype != "auto" else str(auto).removeprefix("torch.")
         on_gpu = self.device.type == "cuda"
         kv_bytes = s.kv_cache_bytes if (s.kv_cache_bytes or on_gpu) else _CPU_KV_CACHE_BYTES
         args: dict[str, Any] = dict(

@@ -23,6 +23,7 @@ from rlft.algorithms import ADVANTAGE_ESTIMATORS, aggregate, clipped_value_loss,
 from rlft.config import Config, CriticConfig, LoraConfig
 from rlft.models.forward import completion_logprobs, position_ids_for
 from rlft.models.loading import apply_lora, resolve_dtype
+from rlft.models.precision import autocast_to
 from rlft.monitor.stats import MetricAccumulator
 from rlft.rollout.batch import RolloutBatch
 from rlft.training.optim import build_optimizer, build_scheduler, clip_gradients
@@ -110,7 +111,7 @@ class SeparateCritic:
     head is reused) or the policy checkpoint (new head); its own AdamW and schedule."""
 
     def __init__(self, config: Config, device: torch.device, pad_token_id: int, s: UpdateSettings, total_steps: int,
-                 world: World = SINGLE):
+                 world: World = SINGLE, compute_dtype: torch.dtype | None = None):
         from transformers import AutoConfig, AutoModelForTokenClassification
 
         c, m = config.critic, config.model
@@ -127,6 +128,7 @@ class SeparateCritic:
             model = apply_lora(model, lora, task_type="TOKEN_CLS")
         self.model = shard(model.to(device), world)  # sharded like the policy in a distributed run
         self.world = world
+        self.compute_dtype = compute_dtype  # autocast (bf16-mixed) or None
         self.targets = _ValueTargets(c, s, config.algorithm.gamma, config.algorithm.lam, config.algorithm.std_floor)
         self.warmup_steps = c.warmup_steps
         self.max_grad_norm = config.training.max_grad_norm
@@ -137,8 +139,9 @@ class SeparateCritic:
 
     def _values(self, sub: RolloutBatch) -> Tensor:
         t = sub.completion_len
-        out = self.model(input_ids=sub.input_ids, attention_mask=sub.attention_mask,
-                         position_ids=position_ids_for(sub.attention_mask))
+        with autocast_to(sub.input_ids.device, self.compute_dtype):
+            out = self.model(input_ids=sub.input_ids, attention_mask=sub.attention_mask,
+                             position_ids=position_ids_for(sub.attention_mask))
         return out.logits[:, -(t + 1):-1, 0].float()  # [n, t]
 
     @torch.no_grad()
@@ -282,10 +285,10 @@ class SharedValueHead:
                 rows = rows if real else torch.zeros(1, dtype=torch.long, device=batch.input_ids.device)
                 sub = batch.select(rows)
                 sub_mask = mask[rows, : sub.completion_len]
-                with torch.no_grad():
+                with torch.no_grad(), trainer.autocast():
                     hidden = self._hidden(sub)
                 loss, m = self.targets.value_loss(self._values(hidden), rows, sub_mask, num_tokens)
-                (loss * (loss_scale(self.world) if real else 0.0)).backward()
+                trainer.backward(loss * (loss_scale(self.world) if real else 0.0))
                 if real:
                     loss_value += float(loss.detach())
                     stats.add(m, float(sub_mask.sum()))
@@ -330,4 +333,7 @@ def build_critic(config: Config, session: Any, s: UpdateSettings, total_steps: i
         head = SharedValueHead(config, base.config.hidden_size, policy.device, s, world).attach(policy.model)
         session.add_module("value_head", head.head)
         return head
-    return SeparateCritic(config, policy.device, policy.tokenizer.pad_token_id, s, total_steps, world)
+    # its own optimizer without a loss scale: it computes in bf16 under bf16-mixed, else in fp32
+    precision = getattr(session, "precision", None)
+    dtype = torch.bfloat16 if precision is not None and precision.compute_dtype == torch.bfloat16 else None
+    return SeparateCritic(config, policy.device, policy.tokenizer.pad_token_id, s, total_steps, world, dtype)

@@ -19,7 +19,7 @@ from rlft.data.order import BatchCursor, epoch_order
 from rlft.models.loading import LoadedModel, load_policy
 from rlft.monitor.stats import MetricAccumulator
 from rlft.training.distributed import SINGLE, World, loss_scale, shard
-from rlft.training.session import TrainingSession, evaluation, open_run, session_for
+from rlft.training.session import TrainingSession, evaluation, open_run, run_precision, session_for
 
 
 class OfflineObjective(Protocol):
@@ -65,7 +65,9 @@ def run_offline(config: Config, objective: OfflineObjective | None = None,
                 policy: LoadedModel | None = None, world: World = SINGLE) -> dict[str, Any]:
     objective = objective or make_objective(config)
     with open_run(config, world) as run:
-        policy = policy or getattr(objective, "load_model", load_policy)(config.model, config.lora)
+        precision = run_precision(config, world)
+        policy = policy or getattr(objective, "load_model", load_policy)(config.model, config.lora,
+                                                                        precision.weight_dtype)
         train, evals, data_summary = objective.prepare(policy)  # also makes DPO's reference copy
         if data_summary:
             run.update_summary(data_summary)
@@ -75,7 +77,7 @@ def run_offline(config: Config, objective: OfflineObjective | None = None,
             reference = getattr(objective, "reference", None)
             if reference is not None and reference.frozen_copy is not None:
                 shard(reference.frozen_copy, world)
-        session = session_for(config, run, policy, world)
+        session = session_for(config, run, policy, world, precision)
         try:
             return _train(config, objective, session, train, evals)
         finally:
@@ -116,7 +118,8 @@ def _train(config: Config, objective: OfflineObjective, session: TrainingSession
                 failed = None
                 if evals and session.eval_due():
                     session.sync_mirror()  # generation evals sample from the whole weights
-                    eval_metrics, failed = evaluation(lambda: objective.evaluate(policy, evals))
+                    with session.autocast():
+                        eval_metrics, failed = evaluation(lambda: objective.evaluate(policy, evals))
                     metrics.update(eval_metrics)
                     model.train()
                 session.log(metrics)
@@ -126,7 +129,8 @@ def _train(config: Config, objective: OfflineObjective, session: TrainingSession
                     session.save_checkpoint()
         if evals and not session.stopping and session.step < total:  # ended early (skipped steps)
             session.sync_mirror()
-            eval_metrics, failed = evaluation(lambda: objective.evaluate(policy, evals))
+            with session.autocast():
+                eval_metrics, failed = evaluation(lambda: objective.evaluate(policy, evals))
             session.log_eval(eval_metrics)
             if failed is not None:
                 session.fail_evaluation(failed)
@@ -153,8 +157,9 @@ def _train_step(session: TrainingSession, objective: OfflineObjective, model: An
     # extra ones repeat a real chunk with a zero loss
     for i in range(int(world.max([len(chunks)])[0])):
         real = i < len(chunks)
-        loss, m = objective.loss(model, chunks[i] if real else (chunks or [examples[:1]])[0], norm)
-        (loss * (loss_scale(world) if real else 0.0)).backward()
+        with session.autocast():
+            loss, m = objective.loss(model, chunks[i] if real else (chunks or [examples[:1]])[0], norm)
+        session.backward(loss * (loss_scale(world) if real else 0.0))
         if real:
             loss_total += float(loss.detach())
             parts.add(m)

@@ -25,19 +25,19 @@ from rlft.data.readers import read_rows
 from rlft.data.validate import check_rows
 from rlft.errors import RewardError, TrainingHalted
 from rlft.eval.generation import evaluate_prompts
-from rlft.models.loading import Reference, disable_dropout, load_policy
+from rlft.models.loading import Reference, disable_dropout, load_policy, resolve_device
 from rlft.monitor.checks import infra_error_message
 from rlft.rewards.calls import ScoringInterrupted
 from rlft.monitor.stats import MetricAccumulator
 from rlft.rewards.scoring import RewardScorer, Scores
-from rlft.rollout import rollout_engine, sampling_params
+from rlft.rollout import rollout_dtype, rollout_engine, sampling_params
 from rlft.rollout.batch import RolloutBatch
 from rlft.training.collect import Rollout, collect_rollout
 from rlft.training.critic import Critic, build_critic
 from rlft.training.rl_update import UpdateSettings, policy_update, reference_logprobs, token_rewards
 from rlft.training import checkpoint as ckpt
 from rlft.training.distributed import SINGLE, World, gather_rows, shard
-from rlft.training.session import TrainingSession, evaluation, open_run, session_for
+from rlft.training.session import TrainingSession, evaluation, open_run, run_precision, session_for
 
 PROGRESS_KEYS = ["reward/mean", "kl", "entropy", "completion/length_mean", "clip/high_frac", "eval/accuracy"]
 
@@ -51,7 +51,9 @@ def load_prompts(data: DataConfig, tokenizer: Any, source: str, split: str, kind
 
 def run_online(config: Config, world: World = SINGLE) -> dict[str, Any]:
     with open_run(config, world) as run:
-        policy = load_policy(config.model, config.lora)
+        precision = run_precision(config, world)
+        sample_dtype = rollout_dtype(config.rollout.dtype, precision, resolve_device(config.model.device))
+        policy = load_policy(config.model, config.lora, precision.weight_dtype)
         disable_dropout(policy.model)  # on-policy, pi / pi_old must be exactly 1 (see rl_update)
         reference = Reference(policy) if config.needs_reference else None  # the starting weights
         if world.active:  # shard what trains (and a frozen reference copy) across the ranks
@@ -59,14 +61,15 @@ def run_online(config: Config, world: World = SINGLE) -> dict[str, Any]:
             shard(policy.model, world)
             if reference is not None and reference.frozen_copy is not None:
                 shard(reference.frozen_copy, world)
-        session = session_for(config, run, policy, world)
+        session = session_for(config, run, policy, world, precision)
         try:
-            return _train(config, session, reference)
+            return _train(config, session, reference, sample_dtype)
         finally:
             session.loggers.close()
 
 
-def _train(config: Config, session: TrainingSession, reference: Reference | None) -> dict[str, Any]:
+def _train(config: Config, session: TrainingSession, reference: Reference | None,
+           sample_dtype: torch.dtype | None = None) -> dict[str, Any]:
     a, d, sc, policy, world = config.algorithm, config.data, config.scoring, session.policy, session.world
     # a Ctrl-C may cut scoring short in one process; ranks stop together at a step's end instead
     should_stop = None if world.active else (lambda: session.stop_signal is not None)
@@ -76,7 +79,7 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
     needs = scorer.required_fields
     prompts = load_prompts(d, policy.tokenizer, d.train, d.split, "prompt", needs)
     evals = load_prompts(d, policy.tokenizer, d.eval, d.eval_split or d.split, "eval prompt", needs) if d.eval else []
-    engine = rollout_engine(config.rollout, policy.unsharded(), config.seed)  # samples from whole weights
+    engine = rollout_engine(config.rollout, policy.unsharded(), config.seed, sample_dtype)  # whole weights
     kl_ctl = make_kl_controller(a.kl_coef, a.kl_target, a.kl_adapt_factor)
     sampler = PromptSampler(len(prompts), config.seed, d.shuffle)
     update_gen = torch.Generator().manual_seed(config.seed)
@@ -162,7 +165,8 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
     # KL to the reference on the sampled tokens: a loss term, or a penalty in the token rewards
     ref_lp = kl_tok = None
     if reference is not None:
-        ref_lp = reference_logprobs(reference, batch, s.temperature, s.micro_batch_size, world)
+        with session.autocast():
+            ref_lp = reference_logprobs(reference, batch, s.temperature, s.micro_batch_size, world)
         kl_tok = KL_ESTIMATORS[s.kl_estimator](batch.sampling_logprobs, ref_lp)  # [N, T]
         kl_sum, tokens = world.sum([float((kl_tok * batch.completion_mask).sum()), float(batch.completion_mask.sum())])
         metrics["kl"] = kl_sum / max(tokens, 1.0)
@@ -172,7 +176,8 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
 
     # advantages over the global batch (group baselines, batch whitening, GAE over the critic's
     # values): every rank computes the same, then keeps its rows
-    values = critic.values(batch, world) if critic is not None else None
+    with session.autocast():
+        values = critic.values(batch, world) if critic is not None else None
     global_rows, (first, stop) = gather_rows(world, rewards_tok, batch.completion_mask, batch.group_ids, valid,
                                              *(() if values is None else (values,)))
     rewards_g, mask_g, groups_g, valid_g = global_rows[:4]

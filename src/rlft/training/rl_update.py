@@ -74,6 +74,12 @@ class Trainer(Protocol):
 
     policy: Any
 
+    def autocast(self) -> Any:
+        """The context training forwards run in (the run's mixed precision)."""
+
+    def backward(self, loss: Tensor) -> None:
+        """loss.backward(), loss-scaled under fp16."""
+
     def optimizer_step(self, loss_value: float) -> tuple[bool, float]: ...
 
 
@@ -157,7 +163,8 @@ def policy_update(trainer: Trainer, batch: RolloutBatch, advantages: Tensor, ref
     stats = MetricAccumulator()
     old_logprobs = None
     if not s.single_pass and world.any(bool(carries_signal.any())):
-        old_logprobs = batch_logprobs(model, batch, s.temperature, s.micro_batch_size, world)
+        with trainer.autocast():
+            old_logprobs = batch_logprobs(model, batch, s.temperature, s.micro_batch_size, world)
         stats.add(engine_mismatch(old_logprobs, batch.sampling_logprobs, loss_mask))
     applied_steps = 0
     for _ in range(s.epochs):
@@ -180,9 +187,10 @@ def policy_update(trainer: Trainer, batch: RolloutBatch, advantages: Tensor, ref
                 mask = loss_mask[micro_rows, : sub.completion_len]
                 old = None if old_logprobs is None else old_logprobs[micro_rows, : sub.completion_len]
                 ref = ref_logprobs[micro_rows, : sub.completion_len] if use_kl else None
-                loss, m = _micro_loss(model, sub, micro_rows, mask, advantages, old, ref, beta, s, norms, extra)
+                with trainer.autocast():
+                    loss, m = _micro_loss(model, sub, micro_rows, mask, advantages, old, ref, beta, s, norms, extra)
                 # a throwaway micro-batch (a rank with fewer rows) only keeps the collectives in step
-                (loss * (loss_scale(world) if real else 0.0)).backward()
+                trainer.backward(loss * (loss_scale(world) if real else 0.0))
                 if real:
                     loss_value += float(loss.detach())
                     stats.add(m, float(mask.sum()))

@@ -24,7 +24,8 @@ from rich.markup import escape
 
 from rlft.config import CheckpointConfig, Config, TrainingConfig, config_warnings
 from rlft.errors import ResumeError, RlftError, TrainingHalted
-from rlft.models.loading import LoadedModel, export_model
+from rlft.models.loading import LoadedModel, export_model, resolve_device
+from rlft.models.precision import Precision, resolve_precision
 from rlft.models.template import check_template
 from rlft.monitor.catalogue import preflight
 from rlft.monitor.console import ProgressDisplay, console
@@ -79,6 +80,15 @@ def open_run(config: Config, world: World = SINGLE) -> Iterator[RunDir]:
         yield run
     finally:
         run.release()
+
+
+def run_precision(config: Config, world: World = SINGLE) -> Precision:
+    """training.precision resolved for this run's device; the choice and its reason are printed
+    (and kept in summary.json when the run ends)."""
+    precision = resolve_precision(config.training.precision, config.model.dtype, resolve_device(config.model.device))
+    if world.main:
+        console.print(f"precision: {precision.name} ({escape(precision.reason)})", highlight=False)
+    return precision
 
 
 def evaluation(evaluate: Callable[[], dict[str, float]]) -> tuple[dict[str, float], str | None]:
@@ -145,10 +155,14 @@ class RunClock:
 class TrainingSession:
     def __init__(self, run: RunDir, policy: LoadedModel, training: TrainingConfig, checkpointing: CheckpointConfig,
                  *, progress: bool = True, log_every: int = 1, allow_template_change: bool = False,
-                 monitor: Monitor | None = None, loggers: LoggerGroup | None = None, world: World = SINGLE):
+                 monitor: Monitor | None = None, loggers: LoggerGroup | None = None, world: World = SINGLE,
+                 precision: Precision | None = None):
         self.run = run
         self.policy = policy
         self.world = world
+        self.precision = precision or Precision("fp32", "fp32")
+        # fp16 gradients underflow without a loss scale (bf16 has fp32's range and needs none)
+        self.scaler = torch.amp.GradScaler(policy.device.type) if self.precision.scales_loss else None
         self.training = training
         self.checkpointing = checkpointing
         self.progress, self.log_every = progress and world.main, log_every
@@ -172,6 +186,8 @@ class TrainingSession:
         self._saved_step: int | None = None
         self._parts: dict[str, Stateful] = {"optimizer": OptimizerState(self.trainables, self.optimizer),
                                             "nonfinite": self.guard, "monitor": self.monitor, "clock": self.clock}
+        if self.scaler is not None:
+            self._parts["grad_scaler"] = self.scaler
         self._mirror_stale = False
         self._old_handlers: dict[int, Any] = {}
 
@@ -198,11 +214,25 @@ class TrainingSession:
         self._install_signal_handlers()
         self.display = ProgressDisplay(total_steps, self.step, keys, self.progress, title)
 
+    def autocast(self) -> Any:
+        """The context training forwards run in (mixed precision: autocast to bf16 / fp16)."""
+        return self.precision.autocast(self.policy.device)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
     def optimizer_step(self, loss_value: float) -> tuple[bool, float]:
         """Clip and step, unless the loss or gradient norm is non-finite: then the update is skipped
         (parameters, optimizer and scheduler unchanged) and counted. The loop owns `self.step`."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
         grad_norm = float(clip_gradients(self.params, self.training.max_grad_norm))
         loss_value = self.world.sum([loss_value])[0]  # every rank takes the same decision
+        if self.scaler is not None and math.isfinite(loss_value) and not math.isfinite(grad_norm):
+            # fp16 overflow: the scaler halves its scale and the update is skipped; not a failure
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+            return False, grad_norm
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
         self.guard.record(finite)
         if not finite:
@@ -216,7 +246,11 @@ class TrainingSession:
                     f"Last good state saved to {path}.\nFix: lower training.learning_rate, keep "
                     "training.max_grad_norm on, or use fp32 (model.dtype=fp32)")
             return False, grad_norm
-        self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._mirror_stale = True
@@ -436,7 +470,8 @@ class TrainingSession:
             self.close_display()
             self._restore_signal_handlers()
             summary = {"step": self.step, "wall_time_s": round(self.clock.elapsed, 1),
-                       "optimizer_steps": self.guard.applied, "nonfinite_skipped": self.nonfinite_total, **summary}
+                       "optimizer_steps": self.guard.applied, "nonfinite_skipped": self.nonfinite_total,
+                       "precision": self.precision.name, **summary}
             path = self.save_checkpoint()
             if self.stop_signal is not None:
                 self.print(f"stopped by {self.stop_signal} at step {self.step}; checkpoint {path}\n"
@@ -485,7 +520,8 @@ class TrainingSession:
             self.display = None
 
 
-def session_for(config: Config, run: RunDir, policy: LoadedModel, world: World = SINGLE) -> TrainingSession:
+def session_for(config: Config, run: RunDir, policy: LoadedModel, world: World = SINGLE,
+                precision: Precision | None = None) -> TrainingSession:
     """The session of a run, from its config's sections; the logging backends are built here, so a
     missing package stops the run before training. In a distributed run rank 0 alone logs and
     writes events; every rank watches the same (all-reduced) metrics, so all decide alike."""
@@ -496,7 +532,7 @@ def session_for(config: Config, run: RunDir, policy: LoadedModel, world: World =
     monitor = Monitor(config.monitor, run.root if world.main else None)
     return TrainingSession(run, policy, config.training, config.checkpoint, progress=config.logging.progress,
                            log_every=config.logging.log_every, allow_template_change=config.model.allow_template_change,
-                           monitor=monitor, loggers=loggers, world=world)
+                           monitor=monitor, loggers=loggers, world=world, precision=precision)
 
 
 class OptimizerState:
