@@ -241,11 +241,13 @@ class Comparison:
 def model_folders(target: str | Path, baseline: str | Path) -> dict[str, Path]:
     """{"TARGET": folder, "BASELINE": folder} (a run's final/), both checked before anything loads."""
     from rlft.models.folder_checks import check_model_folder
+    from rlft.models.loading import is_adapter_export
 
     dirs = {}
     for role, where in (("TARGET", target), ("BASELINE", baseline)):
         dirs[role], _ = resolve_model(where)
-        check_model_folder(str(dirs[role]), f"{role} ({where})")
+        if not is_adapter_export(dirs[role]):
+            check_model_folder(str(dirs[role]), f"{role} ({where})")
     return dirs
 
 

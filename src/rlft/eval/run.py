@@ -13,7 +13,7 @@ from rlft.data.prompts import PromptExample, make_prompt_encoder
 from rlft.data.validate import check_rows
 from rlft.errors import RlftError
 from rlft.eval.generation import EvalResult, evaluate_prompts
-from rlft.models.loading import LoadedModel, load_policy
+from rlft.models.loading import LoadedModel, is_adapter_export, load_adapter_export, load_policy
 from rlft.rewards.scoring import RewardScorer
 from rlft.rollout import build_engine
 
@@ -56,7 +56,10 @@ def load_with_prompts(model_dir: Path, data: str, *, split: str = "train", max_p
                       max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> tuple[LoadedModel, list[PromptExample]]:
     """The model of a folder and the data's prompt rows, encoded with its own tokenizer and chat
     template (rows missing a field in `required_fields` are reported before anything is generated)."""
-    policy = load_policy(ModelConfig(path=str(model_dir), device=device), LoraConfig())
+    if is_adapter_export(model_dir):  # LoRA on a 4-bit base: the base as trained + the adapter
+        policy = load_adapter_export(model_dir, device)
+    else:
+        policy = load_policy(ModelConfig(path=str(model_dir), device=device), LoraConfig())
     encode = make_prompt_encoder(policy.tokenizer, max_prompt_length, required_fields)
     return policy, check_rows(read_rows(data, split, max_row_bytes), encode, data, "eval prompt")
 
