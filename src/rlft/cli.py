@@ -93,8 +93,8 @@ def pipeline(file: Path = typer.Argument(..., help="Pipeline YAML: output_dir an
 EVAL_FLAGS = {"num_samples": "--samples", "temperature": "--temperature", "max_new_tokens": "--max-new-tokens"}
 
 
-@app.command(help="Evaluate a model folder or run directory on held-out prompts: accuracy, reward, pass@k; "
-                   "--compare BASELINE: win rate against another model.")
+@app.command(help="Evaluate a model folder or run directory on held-out prompts: accuracy, reward, pass@k "
+                   "(--compare: win rate).")
 def eval(
     target: Path = typer.Argument(..., help="Model folder, or a run directory: its final/ with the run's own rewards "
                                             "and eval settings; results are saved to RUN/evals/<data>.json."),
