@@ -93,7 +93,8 @@ def pipeline(file: Path = typer.Argument(..., help="Pipeline YAML: output_dir an
 EVAL_FLAGS = {"num_samples": "--samples", "temperature": "--temperature", "max_new_tokens": "--max-new-tokens"}
 
 
-@app.command(help="Evaluate a model folder or run directory on held-out prompts: accuracy, reward, pass@k.")
+@app.command(help="Evaluate a model folder or run directory on held-out prompts: accuracy, reward, pass@k "
+                   "(--compare: win rate).")
 def eval(
     target: Path = typer.Argument(..., help="Model folder, or a run directory: its final/ with the run's own rewards "
                                             "and eval settings; results are saved to RUN/evals/<data>.json."),
@@ -107,6 +108,12 @@ def eval(
     out: Optional[Path] = typer.Option(None, "--out", help="Write per-completion records (JSONL) here."),
     engine: str = typer.Option("hf", "--engine", help="Generation engine: hf, or vllm (rollout.vllm settings "
                                                        "from --config or the run)."),
+    compare: Optional[Path] = typer.Option(None, "--compare", help="Baseline model folder or run: TARGET's win rate "
+                                           "against it on the same prompts (--out: JSON report)."),
+    judge: Optional[str] = typer.Option(None, "--judge", help="With --compare, module:function judging each pair: "
+                                        "judge(prompt, answer_a, answer_b, **row) -> 'a' | 'b' | 'tie'."),
+    judge_model: Optional[Path] = typer.Option(None, "--judge-model", help="With --compare, a reward model folder "
+                                               "scoring each answer (higher wins)."),
 ) -> None:
     from rlft.config import EvalConfig, RewardSpec, VllmSettings, check_vllm_sampling, load_config, validate_flags
     from rlft.eval.run import evaluate_model, resolve_model, run_settings, save_run_eval, summary_rows, write_records
@@ -130,6 +137,14 @@ def eval(
         except ValueError as exc:
             raise RlftError(str(exc)) from None
     vllm = settings.rollout.vllm if settings is not None else VllmSettings()
+    if compare is not None or judge or judge_model:
+        from rlft.eval.compare_report import compare_command
+
+        compare_command(target, compare, data, cfg, rewards, explicit_rewards=bool(reward), judge=judge,
+                        judge_model=judge_model, seed=seed, split=split, max_prompt_length=max_prompt,
+                        scoring=scoring, engine=engine, vllm=vllm, out=out, run_dir=run_dir,
+                        **({"max_row_bytes": max_row_bytes} if max_row_bytes else {}))
+        return
     result = evaluate_model(target, data, rewards, cfg, split=split, seed=seed, max_prompt_length=max_prompt,
                             scoring=scoring, engine=engine, vllm=vllm,
                             **({"max_row_bytes": max_row_bytes} if max_row_bytes else {}))

@@ -15,14 +15,17 @@ from rlft.errors import ConfigError, RlftError
 def plan_input_from_config(config: Config, world_size: int = 1) -> Any:
     """The planner's flat settings for an rlft config: worst-case lengths (max prompt + max new
     tokens; every SFT token a target), rlft's own precision (weights in model.dtype, AdamW states
-    in the same dtype) and torch's foreach AdamW as on a GPU."""
+    in the same dtype; fp32 around a 4-bit base) and torch's foreach AdamW as on a GPU."""
     from rlft.plan import PlanInput
 
     d, t, r, a = config.data, config.training, config.rollout, config.algorithm
+    # under 4-bit, peft's prepare_model_for_kbit_training upcasts every unquantised weight to fp32, and
+    # the hidden states between the 4-bit linears follow them
+    dtype = "fp32" if config.model.quantization == "4bit" else config.model.dtype
     common = dict(lora=config.lora.enabled, lora_r=config.lora.r, lora_dropout=config.lora.dropout,
                   lora_targets=config.lora.target_modules if isinstance(config.lora.target_modules, str)
                   else tuple(config.lora.target_modules),
-                  param_dtype=config.model.dtype, precision=config.model.dtype,
+                  param_dtype=dtype, precision=dtype, quantization=config.model.quantization,
                   gradient_checkpointing=config.model.gradient_checkpointing,
                   attention="eager" if config.model.attn_implementation == "eager" else "sdpa",
                   world_size=world_size)

@@ -39,6 +39,10 @@ class ModelConfig(Section):
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint folder or hub repo.")
     attn_implementation: str | None = Field(None, description="e.g. 'sdpa', 'eager', 'flash_attention_2'.")
+    quantization: Literal["none", "4bit"] = Field(
+        "none", description="'4bit': load the base weights in NF4 with bitsandbytes and train LoRA adapters on "
+                            "them (QLoRA; needs lora.enabled, a CUDA GPU and `pip install 'rlft[qlora]'`). "
+                            "final/ then holds the adapter only (see the README).")
 
 
 class LoraConfig(Section):

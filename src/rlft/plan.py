@@ -41,6 +41,11 @@ GiB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LOGPROB_CHUNK_ROWS = 16  # rlft.models.forward computes log-softmax in row chunks of this size
+# model.quantization=4bit stores each decoder linear's weight in NF4 with double quantisation (Dettmers
+# et al. 2023, QLoRA, arXiv:2305.14314, sec. 3; bitsandbytes' defaults): 4 bits per weight, one absmax
+# per block of 64 weights kept in 8 bits (8/64 bit per weight), and one fp32 absmax per 256 of those
+# (32/(64*256) bit): 4 + 0.125 + 0.00195 = 4.127 bits = 0.5159 B per weight.
+NF4_BYTES_PER_PARAM = (4 + 8 / 64 + 32 / (64 * 256)) / 8
 
 # Total memory as nvidia-smi reports it (MiB); the first GiB is left for the CUDA context.
 DEVICES_MIB = {
@@ -102,6 +107,11 @@ class ModelShape:
         head = embed if lm_head and not self.tied else 0
         return embed + head + self.layers * self.layer_params() + self.hidden
 
+    def quantized_params(self) -> int:
+        """Weights bitsandbytes stores in 4 bits: every decoder linear's weight (not their biases, the
+        norms, the embedding or the output head, which transformers keeps in full precision)."""
+        return self.layers * sum(a * b for a, b in self.linear_shapes().values())
+
     def lora_params(self, r: int, targets: str | tuple[str, ...]) -> int:
         return self.layers * sum(r * (a + b) for name, (a, b) in self.linear_shapes().items()
                                  if name in lora_targets(targets))
@@ -128,6 +138,9 @@ class PlanInput:
     lora_targets: str | tuple[str, ...] = "all-linear"
     lora_dropout: float = 0.05  # > 0: each adapted linear keeps its own dropped-out input copy
     param_dtype: Literal["fp32", "bf16", "fp16"] = "bf16"  # frozen weights (LoRA base, reference)
+    # "4bit": QLoRA, the decoder linears in NF4 (NF4_BYTES_PER_PARAM); the other weights in param_dtype
+    # (fp32 after peft's prepare_model_for_kbit_training, which rlft calls)
+    quantization: Literal["none", "4bit"] = "none"
     precision: Precision = "bf16"  # fp32 | pure bf16/fp16 | *-mixed: fp32 master + autocast
     gradient_checkpointing: bool = False
     attention: Literal["sdpa", "eager"] = "sdpa"
@@ -160,6 +173,13 @@ class PlanInput:
         for name in ("micro_batch_size", "seq_len", "group_size", "prompts_per_step", "world_size", "lora_r"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.quantization == "4bit" and not self.lora:
+            raise ValueError("quantization 4bit trains LoRA adapters on the frozen 4-bit base; set lora")
+        if self.quantization == "4bit" and self.method == "reward_model":
+            raise ValueError("quantization 4bit is for causal-LM policies; reward-model training is not quantised")
+        if self.quantization == "4bit" and (self.world_size > 1 or self.engine == "vllm"):
+            raise ValueError("quantization 4bit runs on one GPU with the hf engine (no FSDP sharding or vLLM "
+                             "weight sync of 4-bit weights)")
         if not 0 < self.completion_len <= self.seq_len:
             raise ValueError(f"completion_len must be in [1, seq_len={self.seq_len}], got {self.completion_len}")
 
@@ -315,8 +335,17 @@ def _static(m: ModelShape, s: PlanInput, out: list[Component], notes: list[str])
     p_bytes = DTYPE_BYTES[s.param_dtype]
     if s.lora:
         trainable = m.lora_params(s.lora_r, s.lora_targets)
-        out.append(Component("weights (frozen base)", total * p_bytes // n, ("static",), f"{total / 1e9:.2f}B x "
-                             f"{p_bytes} B{shard}"))
+        if s.quantization == "4bit":
+            q = m.quantized_params()
+            out.append(Component("weights (frozen base, 4-bit)", int(q * NF4_BYTES_PER_PARAM) + (total - q) * p_bytes,
+                                 ("static",), f"{q / 1e9:.2f}B in NF4 x {NF4_BYTES_PER_PARAM:.4f} B + "
+                                 f"{(total - q) / 1e9:.2f}B unquantised x {p_bytes} B"))
+            notes.append("4-bit base (NF4, double quantisation): the decoder linears at 4.127 bits per weight; "
+                         "embeddings, norms and the output head upcast to fp32 by prepare_model_for_kbit_training, "
+                         "so hidden states are fp32 too")
+        else:
+            out.append(Component("weights (frozen base)", total * p_bytes // n, ("static",), f"{total / 1e9:.2f}B x "
+                                 f"{p_bytes} B{shard}"))
         weight_bytes = 4  # peft keeps adapters in fp32 even on a bf16/fp16 base
         name = "LoRA"
         notes.append(f"LoRA r={s.lora_r} on {', '.join(lora_targets(s.lora_targets))}: {trainable / 1e6:.1f}M "
@@ -389,6 +418,15 @@ def plan_memory(model_config: Any, setting: PlanInput) -> MemoryPlan:
         out.append(Component("activations", acts, ("update",), f"{rows} x {s.seq_len} tokens x {m.layers} layers x "
                              f"{per_layer / 1024:.1f} KiB per token and layer"))
 
+    if s.quantization == "4bit":
+        # bitsandbytes' 4-bit matmul saves no input (only the packed weight) but, per call, dequantises
+        # the weight and casts the fp32 input to the bf16 compute dtype: transients of the largest linear
+        largest = max(a * c for a, c in m.linear_shapes().values())
+        widest = max(a for a, _ in m.linear_shapes().values())
+        out.append(Component("4-bit matmul temporaries", 2 * largest + 2 * tokens * widest,
+                             ("update", "recompute") if s.gradient_checkpointing else ("update",),
+                             "bf16 copies of the largest linear's weight and input while it runs"))
+
     if s.method != "reward_model":
         kept = s.seq_len if s.method == "sft" else s.completion_len + 1
         out.append(Component("logits + log-softmax", logits_bytes(m, s, rows, kept, s.completion_len), ("update",),
@@ -440,7 +478,7 @@ def _rollout(m: ModelShape, s: PlanInput, out: list[Component], notes: list[str]
     # dropping finished rows copies the key buffers (then the value buffers) once more.
     out.append(Component("hf engine cache copies", kv_per_token * gen_rows * (2 * prompt_len + s.seq_len) // 2,
                          ("rollout",), "prefill cache kept while decoding + keys copied when rows finish"))
-    if s.fast_decode:
+    if s.fast_decode and s.quantization == "none":  # a 4-bit model samples through its own forward
         linear = {k: a * c for k, (a, c) in m.linear_shapes().items()}
         fused = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
         copied = sum(linear.values()) if s.lora else sum(linear[k] for k in fused)
@@ -507,6 +545,10 @@ def advise(model_config: Any, setting: PlanInput, capacity: int) -> list[Advice]
     options: list[tuple[str, PlanInput]] = []
     if not s.lora:
         options.append((f"LoRA (r={s.lora_r}, all linear layers)", replace(s, lora=True)))
+    if s.quantization == "none" and s.method != "reward_model" and s.world_size == 1 and s.engine == "hf":
+        options.append(((f"QLoRA: LoRA (r={s.lora_r}) on a " if not s.lora else "a ") + "4-bit base "
+                        "(model.quantization=4bit)", replace(s, lora=True, quantization="4bit",
+                                                             param_dtype="fp32", precision="fp32")))
     if not s.gradient_checkpointing:
         options.append(("gradient checkpointing", replace(s, gradient_checkpointing=True)))
     if s.precision == "fp32":
@@ -525,7 +567,8 @@ def advise(model_config: Any, setting: PlanInput, capacity: int) -> list[Advice]
         half = max(1, (s.rollout_batch_size or rows) // 2)
         options.append((f"generate {half} sequences at a time (rollout.batch_size)",
                         replace(s, rollout_batch_size=half)))
-    options.append((f"{s.world_size * 2} ranks (FSDP sharding)", replace(s, world_size=s.world_size * 2)))
+    if s.quantization == "none":
+        options.append((f"{s.world_size * 2} ranks (FSDP sharding)", replace(s, world_size=s.world_size * 2)))
     if s.seq_len > 2:
         seq = s.seq_len // 2
         options.append((f"max length {s.seq_len} -> {seq} tokens",

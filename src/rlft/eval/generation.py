@@ -40,13 +40,21 @@ def is_format_compliant(completion: Completion, pattern: re.Pattern | None) -> b
     return pattern is None or pattern.fullmatch(completion.text.strip()) is not None
 
 
-def evaluate_prompts(engine: Engine, examples: Sequence[PromptExample], cfg: EvalConfig,
-                     scorer: RewardScorer | None = None, prefix: str = "eval/", seed: int = 0) -> EvalResult:
+def sample_answers(engine: Engine, examples: Sequence[PromptExample], cfg: EvalConfig,
+                   seed: int = 0) -> tuple[list[PromptExample], list[Completion]]:
+    """The first `cfg.max_examples` examples and `cfg.num_samples` completions of each, grouped by
+    prompt, sampled under the eval settings from `seed` (the engine's own generator is untouched)."""
     examples = list(examples)[: cfg.max_examples] if cfg.max_examples else list(examples)
     params = SamplingParams(n=cfg.num_samples, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
     isolated = getattr(engine, "isolated_rng", None)  # keep the rollout generator untouched
     with isolated(seed) if isolated else nullcontext():
         completions = engine.generate([e.prompt_ids for e in examples], params)
+    return examples, completions
+
+
+def evaluate_prompts(engine: Engine, examples: Sequence[PromptExample], cfg: EvalConfig,
+                     scorer: RewardScorer | None = None, prefix: str = "eval/", seed: int = 0) -> EvalResult:
+    examples, completions = sample_answers(engine, examples, cfg, seed)
     pattern = re.compile(cfg.format_regex) if cfg.format_regex else None
     fmt = [is_format_compliant(c, pattern) for c in completions]
     lengths = [len(c.completion_ids) for c in completions]

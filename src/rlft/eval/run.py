@@ -9,11 +9,11 @@ from typing import Any
 
 from rlft.config import Config, EvalConfig, LoraConfig, ModelConfig, RewardSpec, ScoringConfig, VllmSettings
 from rlft.data.readers import DEFAULT_MAX_ROW_BYTES, read_rows
-from rlft.data.prompts import make_prompt_encoder
+from rlft.data.prompts import PromptExample, make_prompt_encoder
 from rlft.data.validate import check_rows
 from rlft.errors import RlftError
 from rlft.eval.generation import EvalResult, evaluate_prompts
-from rlft.models.loading import load_policy
+from rlft.models.loading import LoadedModel, is_adapter_export, load_adapter_export, load_policy
 from rlft.rewards.scoring import RewardScorer
 from rlft.rollout import build_engine
 
@@ -34,18 +34,34 @@ def evaluate_model(target: str | Path, data: str, rewards: list[RewardSpec], cfg
                    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES, engine: str = "hf",
                    vllm: VllmSettings | None = None) -> EvalResult:
     model_dir, _ = resolve_model(target)
-    policy = load_policy(ModelConfig(path=str(model_dir), device=device), LoraConfig())
-    sc = scoring or ScoringConfig()
-    scorer = RewardScorer(rewards, sc.max_workers, timeout_s=sc.timeout_s,
-                          max_consecutive_timeouts=sc.max_consecutive_timeouts,
-                          on_error=sc.on_reward_error) if rewards else None
-    encode = make_prompt_encoder(policy.tokenizer, max_prompt_length, scorer.required_fields if scorer else ())
-    examples = check_rows(read_rows(data, split, max_row_bytes), encode, data, "eval prompt")
+    scorer = make_scorer(rewards, scoring) if rewards else None
+    policy, examples = load_with_prompts(model_dir, data, split=split, max_prompt_length=max_prompt_length,
+                                         device=device, required_fields=scorer.required_fields if scorer else (),
+                                         max_row_bytes=max_row_bytes)
     engine = build_engine(policy, seed, engine, batch_size=cfg.batch_size, vllm=vllm)
     try:
         return evaluate_prompts(engine, examples, cfg, scorer, prefix=prefix, seed=seed)
     finally:
         engine.close()
+
+
+def make_scorer(rewards: list[RewardSpec], scoring: ScoringConfig | None = None) -> RewardScorer:
+    sc = scoring or ScoringConfig()
+    return RewardScorer(rewards, sc.max_workers, timeout_s=sc.timeout_s,
+                        max_consecutive_timeouts=sc.max_consecutive_timeouts, on_error=sc.on_reward_error)
+
+
+def load_with_prompts(model_dir: Path, data: str, *, split: str = "train", max_prompt_length: int = 4096,
+                      device: str = "auto", required_fields: tuple[str, ...] = (),
+                      max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> tuple[LoadedModel, list[PromptExample]]:
+    """The model of a folder and the data's prompt rows, encoded with its own tokenizer and chat
+    template (rows missing a field in `required_fields` are reported before anything is generated)."""
+    if is_adapter_export(model_dir):  # LoRA on a 4-bit base: the base as trained + the adapter
+        policy = load_adapter_export(model_dir, device)
+    else:
+        policy = load_policy(ModelConfig(path=str(model_dir), device=device), LoraConfig())
+    encode = make_prompt_encoder(policy.tokenizer, max_prompt_length, required_fields)
+    return policy, check_rows(read_rows(data, split, max_row_bytes), encode, data, "eval prompt")
 
 
 def run_settings(run_dir: Path) -> Config:
@@ -59,12 +75,16 @@ def run_settings(run_dir: Path) -> Config:
 def save_run_eval(run_dir: Path, data: str, result: EvalResult, settings: dict[str, Any]) -> Path:
     """Keep an evaluation apart from the training summary: `RUN/evals/<data name>.json` with the
     settings it ran under (a later evaluation of the same data replaces it)."""
-    stem = Path(data.removeprefix("hf:")).name.removesuffix(".jsonl").removesuffix(".parquet") or "eval"
-    out = run_dir / "evals" / f"{stem}.json"
+    out = run_dir / "evals" / f"{data_stem(data)}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"data": data, "created": time.strftime("%Y-%m-%d %H:%M:%S"), "settings": settings,
                                "metrics": result.metrics}, indent=2, default=str))
     return out
+
+
+def data_stem(data: str) -> str:
+    """The name results on `data` are saved under: `heldout` for heldout.jsonl or hf:org/heldout."""
+    return Path(data.removeprefix("hf:")).name.removesuffix(".jsonl").removesuffix(".parquet") or "eval"
 
 
 def write_records(result: EvalResult, path: str | Path) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import torch
 
 from rlft.config import LoraConfig, ModelConfig
-from rlft.errors import RlftError
+from rlft.errors import ConfigError, RlftError
 from rlft.models.folder_checks import (check_causal_lm, check_lora_targets, check_model_folder, check_tokenizer,
                                        check_tokenizer_folder)
 from rlft.models.template import check_template, set_chat_template, write_template_record
@@ -95,6 +95,16 @@ def _rewrites_tokenizer_json(tokenizer: Any, folder: Path) -> bool:
     return raw.encode(_ROUND_TRIP_PROBE, add_special_tokens=False).ids != ids
 
 
+@dataclass(frozen=True)
+class QuantizedBase:
+    """Where a quantised base came from: an export of its adapter records it (`ADAPTER_BASE_RECORD`),
+    so the trained model can be rebuilt exactly: this base, loaded the same way, plus the adapter."""
+
+    path: str
+    revision: str | None
+    quantization: str
+
+
 @dataclass
 class LoadedModel:
     model: Any  # a transformers PreTrainedModel, or a peft PeftModel under LoRA
@@ -104,6 +114,7 @@ class LoadedModel:
     # A distributed run trains `model` sharded across ranks; `mirror` is a whole copy of it on each
     # rank, kept in sync, that samples rollouts and is saved (None in a single process).
     mirror: "LoadedModel | None" = None
+    quantized_base: QuantizedBase | None = None  # model.quantization=4bit: the base stays quantised
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -114,7 +125,48 @@ class LoadedModel:
 
     def make_mirror(self) -> None:
         """Keep a whole copy before the model is sharded (see `mirror`)."""
-        self.mirror = LoadedModel(copy.deepcopy(self.model), self.tokenizer, self.device, self.is_lora)
+        self.mirror = LoadedModel(copy.deepcopy(self.model), self.tokenizer, self.device, self.is_lora,
+                                  quantized_base=self.quantized_base)
+
+
+BITSANDBYTES_MIN = "0.43"  # 4-bit layers that move between devices and serialise (transformers' own floor)
+
+
+def check_4bit_support(device: torch.device) -> None:
+    """One RlftError naming every missing piece when model.quantization=4bit cannot work here:
+    bitsandbytes' NF4 layers need the package and a CUDA GPU. Checked before any weight loads."""
+    import importlib.metadata
+    import importlib.util
+
+    problems = []
+    if importlib.util.find_spec("bitsandbytes") is None:
+        problems.append("bitsandbytes is not installed")
+    else:
+        version = importlib.metadata.version("bitsandbytes")
+        if tuple(int(p) for p in version.split(".")[:2] if p.isdigit()) < (0, 43):
+            problems.append(f"bitsandbytes {version} is older than {BITSANDBYTES_MIN}")
+    if device.type != "cuda":
+        problems.append(f"model.device resolves to {device.type}, and bitsandbytes' 4-bit training runs on CUDA GPUs")
+    if problems:
+        raise RlftError("model.quantization=4bit needs bitsandbytes on a CUDA GPU: " + "; ".join(problems) + "\n"
+                        "Fix: pip install 'rlft[qlora]' on a machine with a CUDA GPU, or set model.quantization=none")
+
+
+def check_quantization(cfg: ModelConfig, lora: LoraConfig, device: torch.device) -> None:
+    if cfg.quantization == "none":
+        return
+    if not lora.enabled:
+        raise ConfigError("model.quantization=4bit: 4-bit weights cannot be trained directly; set lora.enabled: true")
+    check_4bit_support(device)
+
+
+def bnb_4bit_config() -> Any:
+    """QLoRA's storage (Dettmers et al. 2023, arXiv:2305.14314): NF4 weights with double-quantised
+    block constants, matmuls computed in bf16."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+                              bnb_4bit_use_double_quant=True)
 
 
 def load_causal_lm(cfg: ModelConfig, device: torch.device, dtype: torch.dtype | None = None) -> Any:
@@ -124,6 +176,11 @@ def load_causal_lm(cfg: ModelConfig, device: torch.device, dtype: torch.dtype | 
                                   dtype=dtype or resolve_dtype(cfg.dtype, device))
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
+    if cfg.quantization == "4bit":
+        check_4bit_support(device)
+        # bitsandbytes places the quantised weights as they load; a 4-bit model is not moved afterwards
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        kwargs.update(quantization_config=bnb_4bit_config(), device_map={"": index})
     check_model_folder(cfg.path)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(os.path.expanduser(cfg.path), output_loading_info=True,
@@ -133,7 +190,8 @@ def load_causal_lm(cfg: ModelConfig, device: torch.device, dtype: torch.dtype | 
     except Exception as exc:  # noqa: BLE001  (safetensors, torch.load and config errors have many types)
         raise RlftError(f"could not load a causal LM from {cfg.path!r}: {type(exc).__name__}: {exc}\n"
                         "Fix: model.path must be a local checkpoint folder or a reachable hub id") from None
-    model = model.to(device)
+    if cfg.quantization == "none":
+        model = model.to(device)
     check_causal_lm(model, info, cfg.path)
     return model
 
@@ -141,17 +199,26 @@ def load_causal_lm(cfg: ModelConfig, device: torch.device, dtype: torch.dtype | 
 def load_policy(cfg: ModelConfig, lora: LoraConfig, dtype: torch.dtype | None = None) -> LoadedModel:
     """`dtype`: the weights' dtype training resolved (models/precision.py); default model.dtype."""
     device = resolve_device(cfg.device)
+    check_quantization(cfg, lora, device)
     check_model_folder(cfg.path)  # before the tokenizer: a wrong folder is named as such, not as a tokenizer problem
     tokenizer = load_tokenizer(cfg)
     check_template(cfg.path, tokenizer, cfg.allow_template_change)
     model = load_causal_lm(cfg, device, dtype)
     check_tokenizer(tokenizer, cfg.tokenizer_path or cfg.path, model.get_input_embeddings().num_embeddings)
+    if cfg.quantization == "4bit":
+        from peft import prepare_model_for_kbit_training
+
+        # freezes the base and upcasts its unquantised weights (norms, embeddings, output head) to fp32
+        # for stable training; with use_reentrant=False no input needs requires_grad for checkpointing
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if lora.enabled:
         model = apply_lora(model, lora)
-    return LoadedModel(model=model, tokenizer=tokenizer, device=device, is_lora=lora.enabled)
+    base = None if cfg.quantization == "none" else QuantizedBase(cfg.path, cfg.revision, cfg.quantization)
+    return LoadedModel(model=model, tokenizer=tokenizer, device=device, is_lora=lora.enabled, quantized_base=base)
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -196,6 +263,10 @@ def load_reward_model(cfg: ModelConfig, lora: LoraConfig, dtype: torch.dtype | N
     """
     from transformers import AutoModelForSequenceClassification
 
+    if cfg.quantization != "none":
+        raise ConfigError(f"model.quantization={cfg.quantization} is for causal-LM policies (sft, dpo and the online "
+                          "methods); reward-model training loads a sequence classifier, which rlft does not "
+                          "quantise. Set model.quantization=none")
     device = resolve_device(cfg.device)
     check_model_folder(cfg.path)
     tokenizer = load_tokenizer(cfg)
@@ -263,12 +334,19 @@ class Reference:
             self._frozen.load_state_dict(state)
 
 
+ADAPTER_BASE_RECORD = "adapter_base.json"
+
+
 def export_model(loaded: LoadedModel, out_dir: str | Path) -> Path:
     """Write a merged Hugging Face checkpoint (and the peft adapter under LoRA) with tokenizer,
     chat template and template record. Under LoRA the adapters are merged in place, so call this
-    when training is over; `loaded` then holds the merged model."""
+    when training is over; `loaded` then holds the merged model.
+
+    A quantised base (model.quantization=4bit) is not merged: see `export_adapter`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if loaded.quantized_base is not None:
+        return export_adapter(loaded, out)
     model = loaded.model
     if loaded.is_lora:
         model.save_pretrained(out / "adapter")
@@ -280,3 +358,60 @@ def export_model(loaded: LoadedModel, out_dir: str | Path) -> Path:
     loaded.tokenizer.save_pretrained(out)
     write_template_record(out, loaded.tokenizer)
     return out
+
+
+def export_adapter(loaded: LoadedModel, out: Path) -> Path:
+    """The export of LoRA on a 4-bit base: `out/adapter/` (peft), the tokenizer and template record
+    in `out/`, and `out/adapter_base.json` naming the base and how it was loaded.
+
+    Merging is refused on purpose. Merging into NF4 weights means dequantise, add, re-quantise, and
+    NF4's step (16 levels spanning each 64-weight block: about an eighth of the block's largest
+    weight) is far larger than a typical LoRA update, so most of the training would be rounded
+    away. Merging into the original full-precision weights gives a model the adapter was not
+    trained against (it learned on the quantised base). The adapter on the same 4-bit base is
+    exactly the trained model; `load_adapter_export` (and so `rlft eval RUN`) rebuilds it."""
+    import json
+
+    base = loaded.quantized_base
+    local = Path(base.path).expanduser()
+    path = str(local.resolve()) if local.exists() else base.path  # a hub id stays an id
+    loaded.model.save_pretrained(out / "adapter")
+    loaded.tokenizer.save_pretrained(out / "adapter")
+    loaded.tokenizer.save_pretrained(out)
+    write_template_record(out, loaded.tokenizer)
+    (out / ADAPTER_BASE_RECORD).write_text(json.dumps(
+        {"base": path, "revision": base.revision, "quantization": base.quantization,
+         "note": "LoRA adapter trained on this base loaded in 4-bit (NF4); not merged. Load the base with "
+                 "model.quantization=4bit and apply adapter/ with peft."}, indent=2))
+    log.warning("model.quantization=%s: %s holds the LoRA adapter only (adapter/); its base stays %s, loaded in "
+                "4-bit as in training. Merging into 4-bit weights would round most of the update away, so it is "
+                "not done; `rlft eval` loads base + adapter from %s", base.quantization, out, path,
+                ADAPTER_BASE_RECORD)
+    return out
+
+
+def is_adapter_export(folder: str | Path) -> bool:
+    """An export of LoRA on a quantised base (`export_adapter`): no merged weights, an adapter."""
+    folder = Path(folder)
+    return (folder / ADAPTER_BASE_RECORD).is_file() and not (folder / "config.json").is_file()
+
+
+def load_adapter_export(folder: str | Path, device: str = "auto") -> LoadedModel:
+    """The trained model of an `export_adapter` folder, for generation: its recorded base, loaded as
+    in training (4-bit), with the adapter applied; the tokenizer is the folder's own."""
+    import json
+
+    from peft import PeftModel
+
+    folder = Path(folder)
+    record = json.loads((folder / ADAPTER_BASE_RECORD).read_text())
+    cfg = ModelConfig(path=record["base"], revision=record.get("revision"), tokenizer_path=str(folder),
+                      quantization=record["quantization"], device=device)
+    resolved = resolve_device(device)
+    if cfg.quantization != "none":
+        check_4bit_support(resolved)
+    tokenizer = load_tokenizer(cfg)
+    base = load_causal_lm(cfg, resolved)
+    model = PeftModel.from_pretrained(base, str(folder / "adapter")).eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, device=resolved, is_lora=True,
+                       quantized_base=QuantizedBase(cfg.path, cfg.revision, cfg.quantization))
