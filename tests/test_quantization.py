@@ -178,3 +178,18 @@ def test_4bit_export_writes_the_adapter_and_reloads_it(captured_4bit_load, qwen_
     monkeypatch.undo()
     with pytest.raises(RlftError, match="needs bitsandbytes on a CUDA GPU"):
         load_adapter_export(out, device="cpu")
+
+
+@pytest.mark.parametrize("update, fix", [
+    ({}, "set lora.enabled: true"),
+    ({"method": "reward_model", "lora": {"enabled": True}}, "reward-model training is not quantised"),
+    ({"method": "grpo", "lora": {"enabled": True}, "rewards": [{"fn": "math"}], "rollout": {"engine": "vllm"}},
+     "use rollout.engine=hf"),
+])
+def test_impossible_4bit_combinations_fail_when_the_config_loads(tmp_path, update, fix):
+    from rlft.config import load_config
+
+    cfg = make_config(tmp_path / "model", tmp_path / "train.jsonl", tmp_path / "run",
+                      model={"path": str(tmp_path / "model"), "quantization": "4bit"})
+    with pytest.raises(ConfigError, match=fix):
+        load_config({**cfg, **update})

@@ -27,6 +27,11 @@ def train(config: Config | dict[str, Any] | str | Path, overrides: list[str] | N
 
     # under torchrun: this process's rank (its own GPU, or gloo on CPU); else a single process
     world = init_world(resolve_device(cfg.model.device).type, cfg.training.dist_timeout_s)
+    if world.active and cfg.model.quantization != "none":
+        from rlft.errors import ConfigError
+
+        # FSDP2 cannot shard bitsandbytes' packed parameters
+        raise ConfigError("model.quantization=4bit trains on one GPU; run without --nproc / torchrun")
     if world.active:
         model = cfg.model.model_copy(update={"device": local_device(cfg.model.device, world)})
         cfg = cfg.model_copy(update={"model": model})

@@ -391,6 +391,16 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "Config":
+        if self.model.quantization == "4bit":
+            if not self.lora.enabled:
+                raise ValueError("model.quantization=4bit: 4-bit weights cannot be trained directly; set "
+                                 "lora.enabled: true")
+            if self.method == "reward_model":
+                raise ValueError("model.quantization=4bit is for causal-LM policies; reward-model training is not "
+                                 "quantised; set model.quantization=none")
+            if self.is_online and self.rollout.engine == "vllm":
+                raise ValueError("model.quantization=4bit with rollout.engine=vllm: the trainer's 4-bit weights "
+                                 "cannot be synced into vLLM; use rollout.engine=hf")
         if self.is_online:
             if self.rollout.group_size < 2:
                 raise ValueError(

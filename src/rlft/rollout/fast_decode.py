@@ -28,6 +28,8 @@ def _effective_linear(module: Any) -> tuple[torch.Tensor, torch.Tensor | None] |
     """(weight, bias) of a Linear, with active LoRA adapters folded in; None if unsupported."""
     base = getattr(module, "base_layer", module)
     weight, bias = base.weight, base.bias
+    if not weight.is_floating_point():  # quantised storage
+        return None
     if hasattr(module, "lora_A"):
         if getattr(module, "merged", False):
             return weight.detach(), None if bias is None else bias.detach()
@@ -90,6 +92,8 @@ class LeanDecoder:
             return None
         if getattr(cfg, "attention_dropout", 0.0) and base.training:
             return None
+        if getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False):
+            return None  # packed bitsandbytes weights: the model's own forward dequantises them
         try:
             layers = []
             for layer in base.model.layers:
