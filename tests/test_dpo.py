@@ -211,7 +211,7 @@ def test_precomputed_reference_equals_the_live_one(tmp_path, qwen_path):
                                     training={"batch_size": 4}, dpo={"precompute_ref": True}))
     policy = load_policy(config.model, config.lora)
     objective = make_objective(config)
-    examples, _, _ = objective.prepare(policy)
+    examples = objective.prepare(policy)[0].examples
     assert objective.reference is None  # the frozen copy is dropped once every pair is scored
     with torch.no_grad():
         live, _ = sequence_logprobs(policy.model, collate_pairs(examples, policy.tokenizer.pad_token_id))

@@ -9,7 +9,8 @@ import pytest
 from pydantic import ValidationError
 
 from rlft.errors import ConfigError
-from rlft.eval.suites import EvalSuite, prepare_suites, run_suites
+from rlft.config import EvalSuite
+from rlft.eval.suites import prepare_suites, run_suites
 from rlft.rollout.contract import Completion
 
 # completions per prompt (4 samples each); sample j has j + 1 tokens and sample 3 hits the length limit

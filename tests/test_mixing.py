@@ -7,7 +7,8 @@ from collections import Counter
 import pytest
 from pydantic import ValidationError
 
-from rlft.data.mixing import (MixSource, epoch_counts, largest_remainder, mix_epoch, mix_sources, source_names,
+from rlft.config import MixSource
+from rlft.data.mixing import (epoch_counts, largest_remainder, mix_epoch, mix_sources, source_names,
                               source_rows)
 from rlft.errors import ConfigError
 

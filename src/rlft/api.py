@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
+
 from rlft.config import Config, load_config
 from rlft.errors import ResumeError
 from rlft.training import checkpoint as ckpt
@@ -32,6 +34,13 @@ def train(config: Config | dict[str, Any] | str | Path, overrides: list[str] | N
 
         # FSDP2 cannot shard bitsandbytes' packed parameters
         raise ConfigError("model.quantization=4bit trains on one GPU; run without --nproc / torchrun")
+    if world.main:  # the memory plan before any weight loads: a warning, not a refusal
+        from rlft.cli_plan import memory_preflight
+        from rlft.monitor.console import console
+
+        warning = memory_preflight(cfg, world.size)
+        if warning:
+            console.print(f"[bold yellow]warning: {escape(warning)}")
     if world.active:
         model = cfg.model.model_copy(update={"device": local_device(cfg.model.device, world)})
         cfg = cfg.model_copy(update={"model": model})

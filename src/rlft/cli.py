@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 
@@ -98,7 +98,8 @@ EVAL_FLAGS = {"num_samples": "--samples", "temperature": "--temperature", "max_n
 def eval(
     target: Path = typer.Argument(..., help="Model folder, or a run directory: its final/ with the run's own rewards "
                                             "and eval settings; results are saved to RUN/evals/<data>.json."),
-    data: str = typer.Option(..., "--data", help="Held-out prompts (.jsonl/.parquet/hf:NAME) with reward fields."),
+    data: Optional[str] = typer.Option(None, "--data", help="Held-out prompts (.jsonl/.parquet/hf:NAME) with reward "
+                                       "fields; without it, the eval.suites of the run or of --config."),
     config: Optional[Path] = typer.Option(None, "--config", help="Take rewards and eval settings from this config."),
     reward: Optional[List[str]] = typer.Option(None, "--reward", help="Reward fn (built-in or module:fn); repeatable."),
     samples: Optional[int] = typer.Option(None, "--samples", help="Completions per prompt (pass@k with k = samples)."),
@@ -137,6 +138,12 @@ def eval(
         except ValueError as exc:
             raise RlftError(str(exc)) from None
     vllm = settings.rollout.vllm if settings is not None else VllmSettings()
+    if data is None:
+        if compare is not None or settings is None or not settings.eval.suites:
+            raise RlftError("rlft eval: give --data FILE (held-out prompts); without it, the run (or --config) must "
+                            "define eval.suites, which are evaluated instead")
+        _eval_suites(target, settings, engine, run_dir, out)
+        return
     if compare is not None or judge or judge_model:
         from rlft.eval.compare_report import compare_command
 
@@ -158,6 +165,24 @@ def eval(
     from rich.table import Table
 
     table = Table(title=f"eval of {target} on {data}", show_header=False)
+    for key, value in summary_rows(result.metrics):
+        table.add_row(key, value)
+    console.print(table)
+
+
+def _eval_suites(target: Path, settings: Any, engine: str, run_dir: Optional[Path], out: Optional[Path]) -> None:
+    from rlft.eval.run import evaluate_suites, save_run_eval, summary_rows, write_records
+
+    result = evaluate_suites(target, settings, engine=engine)
+    if out is not None:
+        write_records(result, out)
+    if run_dir is not None:
+        suites = [s.model_dump(mode="json") for s in settings.eval.suites]
+        saved = save_run_eval(run_dir, "suites", result, {"suites": suites, "seed": settings.seed})
+        console.print(f"results saved to {saved} (the run's summary.json is left as training wrote it)")
+    from rich.table import Table
+
+    table = Table(title=f"eval suites of {target}", show_header=False)
     for key, value in summary_rows(result.metrics):
         table.add_row(key, value)
     console.print(table)
@@ -225,11 +250,15 @@ def quiet_libraries() -> None:
     hf_logging.set_verbosity_error()
 
 
-from rlft.cli_monitor import register as register_monitor_commands  # noqa: E402  (light: imports on use)
+from rlft.cli_data import register as register_data_commands  # noqa: E402  (light: imports on use)
+from rlft.cli_monitor import register as register_monitor_commands  # noqa: E402
+from rlft.cli_plan import register as register_plan_command  # noqa: E402
 from rlft.cli_sandbox import app as sandbox_app  # noqa: E402  (light: imports only the sandbox)
 
 app.add_typer(sandbox_app, name="sandbox", help="Run a program against tests in the code-reward sandbox.")
 register_monitor_commands(app)
+register_plan_command(app)  # rlft plan CONFIG [--device NAME | --memory-gb N] [--world-size N]
+register_data_commands(app)  # rlft data screen | pairs | agreement
 
 
 def main() -> None:

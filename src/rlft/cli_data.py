@@ -68,6 +68,9 @@ def _prompts(config: Any, plumbing: Plumbing) -> tuple[list[Any], list[Any]]:
     from rlft.data.prompts import make_prompt_encoder
     from rlft.data.validate import check_rows
 
+    if not isinstance(config.data.train, str):
+        raise ConfigError("rlft data: data.train lists several sources; screen or pair one file at a time "
+                          "(override it: data.train=FILE)")
     rows = read_rows(config.data.train, config.data.split)
     encode = make_prompt_encoder(plumbing.tokenizer, config.data.max_prompt_length, getattr(plumbing, "required", ()))
     examples = check_rows(rows, encode, config.data.train, "prompt", config.data.on_invalid)

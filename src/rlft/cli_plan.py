@@ -12,23 +12,43 @@ from rlft.config import Config
 from rlft.errors import ConfigError, RlftError
 
 
-def plan_input_from_config(config: Config, world_size: int = 1) -> Any:
+def plan_precision(config: Config, local_device: Any = None) -> str:
+    """The run's training precision as the planner counts it: training.precision 'auto' resolved
+    for `local_device` (a torch.device: the run's own), or, when planning for a named device, as
+    bf16-mixed (every device the planner knows computes in bf16)."""
+    from rlft.models.precision import resolve_precision
+
+    if local_device is not None:
+        return resolve_precision(config.training.precision, config.model.dtype, local_device).name
+    if config.model.dtype in ("bf16", "fp16") and config.training.precision in ("auto", config.model.dtype):
+        return config.model.dtype
+    return "bf16-mixed" if config.training.precision == "auto" else config.training.precision
+
+
+def plan_input_from_config(config: Config, world_size: int = 1, local_device: Any = None) -> Any:
     """The planner's flat settings for an rlft config: worst-case lengths (max prompt + max new
-    tokens; every SFT token a target), rlft's own precision (weights in model.dtype, AdamW states
-    in the same dtype; fp32 around a 4-bit base) and torch's foreach AdamW as on a GPU."""
+    tokens; every SFT token a target), the run's precision (see plan_precision: fp32 master
+    weights and AdamW states under *-mixed; fp32 around a 4-bit base) and torch's foreach AdamW as
+    on a GPU."""
     from rlft.plan import PlanInput
 
     d, t, r, a = config.data, config.training, config.rollout, config.algorithm
-    # under 4-bit, peft's prepare_model_for_kbit_training upcasts every unquantised weight to fp32, and
-    # the hidden states between the 4-bit linears follow them
-    dtype = "fp32" if config.model.quantization == "4bit" else config.model.dtype
+    precision = plan_precision(config, local_device)
+    # pure bf16 keeps bf16 weights; fp32 and the mixed modes keep fp32 ones
+    param_dtype = precision if precision in ("bf16", "fp16") else "fp32"
+    if config.model.quantization == "4bit":
+        # peft's prepare_model_for_kbit_training upcasts every unquantised weight to fp32, and the
+        # hidden states between the 4-bit linears follow them
+        precision = param_dtype = "fp32"
     common = dict(lora=config.lora.enabled, lora_r=config.lora.r, lora_dropout=config.lora.dropout,
                   lora_targets=config.lora.target_modules if isinstance(config.lora.target_modules, str)
                   else tuple(config.lora.target_modules),
-                  param_dtype=dtype, precision=dtype, quantization=config.model.quantization,
+                  param_dtype=param_dtype, precision=precision, quantization=config.model.quantization,
                   gradient_checkpointing=config.model.gradient_checkpointing,
                   attention="eager" if config.model.attn_implementation == "eager" else "sdpa",
-                  world_size=world_size)
+                  world_size=world_size,
+                  **({"device_type": local_device.type} if local_device is not None and
+                     local_device.type in ("cuda", "cpu") else {}))
     if config.is_online:
         per_minibatch = max(1, r.group_size * r.prompts_per_step // world_size // a.minibatches)
         return PlanInput(method="ppo" if config.method == "ppo" else "online", **common,
@@ -85,6 +105,49 @@ def plan(
     from rlft.config import load_config
 
     typer.echo(plan_report(load_config(config_path), device, memory_gb, world_size))
+
+
+def memory_preflight(config: Config, world_size: int = 1) -> str | None:
+    """What `rlft train` says before loading weights when the plan does not fit the run's own
+    device (CUDA: the GPU's memory; CPU: the memory available now); None when it fits or the
+    model's config.json cannot be read (loading then reports that)."""
+    import torch
+
+    from rlft.models.loading import resolve_device
+    from rlft.plan import GiB, Verdict, advise, plan_memory
+
+    device = resolve_device(config.model.device)
+    try:
+        model_cfg = read_model_config(config.model.path, config.model.revision, config.model.trust_remote_code)
+        setting = plan_input_from_config(config, world_size, device)
+        plan = plan_memory(model_cfg, setting)
+    except (RlftError, ValueError):
+        return None
+    if device.type == "cuda":
+        label, capacity = torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory
+        verdict = Verdict(label, capacity, plan.total)
+    else:
+        label, capacity = "this machine's available RAM", _available_ram()
+        if capacity is None:
+            return None
+        verdict = Verdict(label, capacity, plan.total, context=0)
+    if verdict.fits:
+        return None
+    lines = [f"memory plan: about {plan.total / GiB:.1f} GiB at the peak; {verdict.text()}"]
+    fixes = [a for a in advise(model_cfg, setting, capacity) if a.fits][:3]
+    lines += [f"  - {a.change}: {a.total / GiB:.1f} GiB (fits)" for a in fixes]
+    lines.append(f"  details: rlft plan CONFIG --memory-gb {capacity / GiB:.1f}")
+    return "\n".join(lines)
+
+
+def _available_ram() -> int | None:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def register(app: typer.Typer) -> None:

@@ -8,12 +8,13 @@ every value the run used; nothing is changed at run time.
 from __future__ import annotations
 
 import copy
+import re
 import difflib
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from rlft.errors import ConfigError
 from rlft.monitor.settings import LoggerSettings, MonitorConfig
@@ -54,8 +55,28 @@ class LoraConfig(Section):
         "all-linear", description="Module names to adapt, or 'all-linear'.")
 
 
+class MixSource(Section):
+    """One entry of `data.train` when it is a list of sources."""
+
+    path: str = Field(description="Data file or dataset (as data.train).")
+    name: str | None = Field(None, description="Name in per-source metrics (default: the file's stem).")
+    weight: float | None = Field(None, gt=0, description="Share of each epoch, relative to the other weights.")
+    rows: int | None = Field(None, ge=1, description="Exact rows of this source per epoch.")
+
+    @model_validator(mode="after")
+    def _one_of(self) -> "MixSource":
+        if (self.weight is None) == (self.rows is None):
+            raise ValueError(f"data source {self.path!r}: give exactly one of 'weight' or 'rows'")
+        return self
+
+
 class DataConfig(Section):
-    train: str = Field(description="Training data: a .jsonl/.json/.parquet file, a saved HF dataset folder, or 'hf:NAME'.")
+    train: str | list[MixSource] = Field(
+        description="Training data: a .jsonl/.json/.parquet file, a saved HF dataset folder, or 'hf:NAME'; or a "
+                    "list of sources mixed in set proportions: [{path, weight}] or [{path, rows}] (optional name).")
+    mix_epoch_size: int | None = Field(
+        None, ge=1, description="Mixed sources: rows per epoch (default: the fixed 'rows' plus every weighted "
+                                "source's own size).")
     eval: str | None = Field(None, description="Held-out data in the same format; used for eval loss / accuracy.")
     split: str = Field("train", description="Split to read from an HF dataset given as 'hf:NAME'.")
     eval_split: str | None = Field(None, description="Split for `eval` when it is 'hf:NAME'.")
@@ -196,6 +217,11 @@ class AlgorithmConfig(Section):
         None, description="Correct for engine/trainer log-prob mismatch: 'tis' weights each token's loss by "
                           "min(pi_trainer / pi_engine, tis_cap) (truncated importance sampling).")
     tis_cap: float | None = Field(None, ge=1, description="Upper bound of the truncated importance weight.")
+    sft_mix: str | None = Field(
+        None, description="SFT rows (as data.train of an sft run) whose NLL joins the policy loss: the 'ptx' "
+                          "regulariser, keeping what SFT taught while RL trains (None: off).")
+    sft_mix_coef: float = Field(0.1, ge=0, description="Weight of the sft_mix NLL (mean per token) in the loss.")
+    sft_mix_batch_size: int = Field(8, ge=1, description="sft_mix rows per optimizer step.")
 
 
 _BASE_PRESET: dict[str, Any] = dict(
@@ -301,6 +327,51 @@ class CheckpointConfig(Section):
         return self
 
 
+class SuiteSampling(Section):
+    num_samples: int = Field(1, ge=1, description="Completions per prompt (k of pass@k and maj@k).")
+    temperature: float = Field(0.0, ge=0, description="0: greedy; > 0: sampled.")
+    max_new_tokens: int = Field(128, ge=1, description="Longest completion.")
+    batch_size: int = Field(64, ge=1, description="Sequences generated per forward.")
+
+
+class EvalSuite(Section):
+    """One held-out set (`eval.suites: [...]` in a config)."""
+
+    name: str = Field(description="Metric prefix: eval/<name>/...; letters, digits, '_', '-' and '.'.")
+    data: str = Field(description="Prompt rows (.jsonl/.json/.parquet, a saved dataset or 'hf:NAME').")
+    split: str = Field("train", description="Split of an 'hf:NAME' dataset.")
+    rewards: list[RewardSpec] = Field(default_factory=list, description="Reward components (default: none).")
+    correct_component: str | None = Field(
+        None, description="Reward component that means 'correct' (default: the first).")
+    correct_threshold: float = Field(1.0, description="A sample is correct when that component is >= this.")
+    sampling: SuiteSampling = Field(default_factory=SuiteSampling)
+    format_regex: str | None = Field(None, description="A completion is compliant when it stops and fully matches.")
+    max_examples: int | None = Field(256, ge=1, description="Rows used (None: all).")
+    every: int | None = Field(
+        None, ge=1, description="Run every N steps (default: training.eval_every); always after the last step.")
+    answer: str | None = Field(
+        "math", description="maj@k answer extractor: 'math' (boxed / 'answer is' / last number), "
+                            "'module:function' (completion -> answer or None), or null (no maj@k).")
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", value):
+            raise ValueError(f"eval suite name {value!r} must use letters, digits, '_', '-' or '.' only")
+        return value
+
+    def eval_config(self) -> EvalConfig:
+        s = self.sampling
+        return EvalConfig(max_examples=self.max_examples, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+                          num_samples=s.num_samples, format_regex=self.format_regex,
+                          correct_component=self.correct_component, correct_threshold=self.correct_threshold,
+                          batch_size=s.batch_size)
+
+    def due(self, step: int, total_steps: int, default_every: int | None = None) -> bool:
+        every = self.every or default_every
+        return step == total_steps or bool(every) and step % every == 0
+
+
 class EvalConfig(Section):
     max_examples: int | None = Field(256, ge=1, description="Held-out rows used for generation metrics (None: all).")
     max_new_tokens: int = Field(128, ge=1, description="Longest completion when evaluating.")
@@ -312,6 +383,9 @@ class EvalConfig(Section):
         None, description="Reward component that means 'correct' for accuracy (default: the first).")
     correct_threshold: float = Field(1.0, description="A sample is correct when that component is >= this.")
     batch_size: int = Field(64, ge=1, description="Sequences generated per forward when evaluating.")
+    suites: list[EvalSuite] = Field(
+        default_factory=list, description="Named held-out sets (target, retention, adversarial...), each with its "
+                                          "own data, rewards and sampling; metrics eval/<name>/...")
 
 
 class DpoConfig(Section):
@@ -401,6 +475,11 @@ class Config(Section):
             if self.is_online and self.rollout.engine == "vllm":
                 raise ValueError("model.quantization=4bit with rollout.engine=vllm: the trainer's 4-bit weights "
                                  "cannot be synced into vLLM; use rollout.engine=hf")
+        if self.algorithm.sft_mix and not self.is_online:
+            raise ValueError(f"algorithm.sft_mix adds an SFT loss to online RL; method {self.method} does not use it")
+        if self.eval.suites and self.method == "reward_model":
+            raise ValueError("eval.suites evaluate a policy's generations; a reward model does not generate "
+                             "(its held-out metrics come from data.eval)")
         if self.is_online:
             if self.rollout.group_size < 2:
                 raise ValueError(
@@ -419,6 +498,8 @@ class Config(Section):
                     "value, e.g. algorithm.kl_coef=0.01, or drop kl_target")
             if self.rollout.engine == "vllm":  # evaluations during training sample on the same engine
                 check_vllm_sampling(self.eval.temperature, 1.0, 0, "eval")
+                for suite in self.eval.suites:
+                    check_vllm_sampling(suite.sampling.temperature, 1.0, 0, f"eval.suites[{suite.name}].sampling")
             if a.loss_agg == "constant" and a.loss_constant is None:
                 self.algorithm.loss_constant = self.rollout.max_new_tokens
         return self

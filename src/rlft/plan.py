@@ -514,11 +514,12 @@ class Verdict:
     device: str
     capacity: int
     total: int
+    context: int = CUDA_CONTEXT  # 0 for host RAM: no CUDA context to hold
 
     @property
     def usable(self) -> int:
         """What a training process can count on: the CUDA context and the allocator's slack excluded."""
-        return int((self.capacity - CUDA_CONTEXT) * (1 - FRAGMENTATION))
+        return int(max(self.capacity - self.context, 0) * (1 - FRAGMENTATION))
 
     @property
     def fits(self) -> bool:
@@ -552,7 +553,11 @@ def advise(model_config: Any, setting: PlanInput, capacity: int) -> list[Advice]
     if not s.gradient_checkpointing:
         options.append(("gradient checkpointing", replace(s, gradient_checkpointing=True)))
     if s.precision == "fp32":
-        options.append(("bf16 weights (model.dtype=bf16)", replace(s, precision="bf16", param_dtype="bf16")))
+        options.append(("bf16 compute, fp32 master weights (training.precision=bf16-mixed)",
+                        replace(s, precision="bf16-mixed")))
+    if s.precision in ("fp32", "bf16-mixed"):
+        options.append(("pure bf16 weights and states (training.precision=bf16)",
+                        replace(s, precision="bf16", param_dtype="bf16")))
     if s.micro_batch_size > 1:
         micro = s.micro_batch_size // 2
         options.append((f"micro-batch {s.micro_batch_size} -> {micro} (same batch, accumulated)",

@@ -22,29 +22,13 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from pydantic import Field, model_validator
-
-from rlft.config import Section
+from rlft.config import MixSource
+from rlft.data.order import epoch_order
 from rlft.errors import ConfigError
-
-
-class MixSource(Section):
-    """One entry of `data.train` when it is a list of sources."""
-
-    path: str = Field(description="Data file or dataset (as data.train).")
-    name: str | None = Field(None, description="Name in per-source metrics (default: the file's stem).")
-    weight: float | None = Field(None, gt=0, description="Share of each epoch, relative to the other weights.")
-    rows: int | None = Field(None, ge=1, description="Exact rows of this source per epoch.")
-
-    @model_validator(mode="after")
-    def _one_of(self) -> "MixSource":
-        if (self.weight is None) == (self.rows is None):
-            raise ValueError(f"data source {self.path!r}: give exactly one of 'weight' or 'rows'")
-        return self
 
 
 @dataclass(frozen=True)
@@ -151,3 +135,56 @@ def mix_sources(sources: Sequence[MixSource], rows_by_source: Sequence[Sequence[
     counts = epoch_counts(sources, epoch_size, sizes)
     lookup = dict(zip(names, rows_by_source))
     return [(item.source, lookup[item.source][item.index]) for item in mix_epoch(names, counts, sizes, seed, epoch)]
+
+
+@dataclass
+class TrainRows:
+    """A run's training rows: `data.train` as one source, or several mixed. `examples` holds every
+    source's rows one source after another; `order(epoch)` indexes into it."""
+
+    examples: list[Any]
+    names: list[str]  # one per source
+    starts: list[int]  # index of each source's first row in `examples`
+    counts: list[int]  # rows of each source per epoch
+    seed: int
+    shuffle: bool = True
+
+    @property
+    def mixed(self) -> bool:
+        return len(self.names) > 1
+
+    @property
+    def sizes(self) -> list[int]:
+        return [b - a for a, b in zip(self.starts, self.starts[1:] + [len(self.examples)])]
+
+    def __len__(self) -> int:
+        """Rows per epoch."""
+        return sum(self.counts)
+
+    def order(self, epoch: int) -> list[int]:
+        """The epoch's rows, as indices into `examples`; a pure function of (seed, epoch)."""
+        if not self.mixed:
+            return epoch_order(len(self.examples), self.seed, epoch, self.shuffle)
+        start = dict(zip(self.names, self.starts))
+        return [start[item.source] + item.index
+                for item in mix_epoch(self.names, self.counts, self.sizes, self.seed, epoch)]
+
+
+def read_train_rows(data: Any, seed: int, read: Callable[[str], list[Any]]) -> TrainRows:
+    """`data.train` (a DataConfig's) read source by source with `read(path)` (which validates as the
+    method does and names the file in its errors); each example of a mixed run is tagged with its
+    source's name (its `source` attribute) for per-source metrics."""
+    if isinstance(data.train, str):
+        examples = read(data.train)
+        return TrainRows(examples, [Path(data.train).stem], [0], [len(examples)], seed, data.shuffle)
+    names = source_names(data.train)
+    parts = []
+    for name, source in zip(names, data.train):
+        rows = read(source.path)
+        if not rows:
+            raise ConfigError(f"data.train: source '{name}' ({source.path}) has no usable rows")
+        parts.append([replace(e, source=name) if hasattr(e, "source") else e for e in rows])
+    sizes = [len(p) for p in parts]
+    counts = epoch_counts(data.train, data.mix_epoch_size, sizes)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return TrainRows([e for p in parts for e in p], names, starts, counts, seed, data.shuffle)

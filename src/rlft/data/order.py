@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
@@ -18,14 +20,23 @@ class PromptSampler:
     """An endless stream of row indices, epoch after epoch (online RL draws k prompts per step,
     across epoch boundaries); its position is checkpointed for exact resume."""
 
-    def __init__(self, n: int, seed: int, shuffle: bool = True):
+    def __init__(self, n: int, seed: int, shuffle: bool = True, order: Callable[[int], list[int]] | None = None):
+        """`order(epoch)`: the epoch's `n` indices (mixed sources, data/mixing.py); default a
+        seeded permutation of range(n)."""
         self.n, self.seed, self.shuffle = n, seed, shuffle
+        self._order = order or (lambda epoch: epoch_order(n, seed, epoch, shuffle))
+        self._cached: tuple[int, list[int]] | None = None
         self.epoch, self.index = 0, 0
+
+    def _epoch_order(self) -> list[int]:
+        if self._cached is None or self._cached[0] != self.epoch:
+            self._cached = (self.epoch, self._order(self.epoch))
+        return self._cached[1]
 
     def take(self, k: int) -> list[int]:
         out: list[int] = []
         while len(out) < k:
-            grab = epoch_order(self.n, self.seed, self.epoch, self.shuffle)[self.index:self.index + (k - len(out))]
+            grab = self._epoch_order()[self.index:self.index + (k - len(out))]
             out += grab
             self.index += len(grab)
             if self.index >= self.n:

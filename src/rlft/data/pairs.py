@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -58,6 +59,7 @@ class PreferenceExample:
     # Reference log-probs, filled once before training when dpo.precompute_ref is on.
     ref_chosen_logp: float | None = None
     ref_rejected_logp: float | None = None
+    source: str = ""  # its data.train source's name, when sources are mixed
 
 
 def _answer_messages(data: dict[str, Any], name: str) -> Messages:
@@ -187,13 +189,22 @@ def read_pairs(source: str, split: str, tokenizer: Any, end_ids: list[int], max_
     return examples, pair_statistics(examples, source)
 
 
-def load_preference_splits(tokenizer: Any, data: DataConfig,
-                           ) -> tuple[list[PreferenceExample], list[PreferenceExample], dict[str, float]]:
+def load_preference_splits(tokenizer: Any, data: DataConfig, seed: int = 0,
+                           ) -> tuple[Any, list[PreferenceExample], dict[str, float]]:
     """A run's train and eval pairs (`data.train`, `data.eval`), validated and encoded, and their
     pair statistics as `data/train/...` and `data/eval/...` (for the run's summary)."""
+    from rlft.data.mixing import read_train_rows
+
     args = (tokenizer, end_of_turn_ids(tokenizer), data.max_length, data.max_prompt_length, data.on_invalid)
-    train, stats = read_pairs(data.train, data.split, *args, kind="preference", max_row_bytes=data.max_row_bytes)
-    summary = {f"data/train/{k}": v for k, v in stats.items()}
+    summary: dict[str, float] = {}
+
+    def read(path: str) -> list[PreferenceExample]:
+        rows, stats = read_pairs(path, data.split, *args, kind="preference", max_row_bytes=data.max_row_bytes)
+        part = "train" if isinstance(data.train, str) else f"train/{Path(path).stem}"
+        summary.update({f"data/{part}/{k}": v for k, v in stats.items()})
+        return rows
+
+    train = read_train_rows(data, seed, read)
     evals: list[PreferenceExample] = []
     if data.eval:
         evals, eval_stats = read_pairs(data.eval, data.eval_split or data.split, *args, kind="preference eval",

@@ -18,6 +18,7 @@ class PromptExample:
     prompt_ids: list[int]
     fields: dict[str, Any] = field(default_factory=dict)  # everything but the prompt, for rewards
     rendered: str = ""  # the prompt as the model saw it: `messages` through the chat template
+    source: str = ""  # its data.train source's name, when sources are mixed
 
     @property
     def prompt_text(self) -> str:

@@ -21,6 +21,7 @@ class SftExample:
     prompt_messages: Messages  # conversation up to the last assistant turn (for generation evals)
     reference: str  # the last assistant message (for format / accuracy evals)
     fields: dict[str, Any]  # the row's other fields (e.g. `answer`), for reward-based evals
+    source: str = ""  # its data.train source's name, when sources are mixed
 
 
 def row_messages(data: dict[str, Any]) -> Messages:

@@ -69,6 +69,12 @@ def make_datasets(out: Path, seed: int = 0, heldout: int = 200, sft_rows: int = 
     # held-out rows carry the correct worked solution, for eval loss and reading
     rows["heldout"] = [{"prompt": question(a, b), "completion": worked_answer(a, b), "answer": str(a + b)}
                        for a, b in splits["heldout"]]
+    # the demo's eval suites: the carry problems (what the sloppy SFT data gets wrong and RL must
+    # fix) and the no-carry ones (what SFT already taught, which RL must keep)
+    carries = [(a % 10 + b % 10 >= 10) for a, b in splits["heldout"]]
+    rows["heldout_carry"] = [r for r, c in zip(rows["heldout"], carries) if c]
+    rows["heldout_nocarry"] = [r for r, c in zip(rows["heldout"], carries) if not c]
+    paths.update({name: out / f"{name}.jsonl" for name in ("heldout_carry", "heldout_nocarry")})
     for name, path in paths.items():
         path.write_text("".join(json.dumps(r) + "\n" for r in rows[name]))
     return paths

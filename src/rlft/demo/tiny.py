@@ -49,12 +49,18 @@ def _rewards() -> list[dict[str, Any]]:
             {"fn": "regex", "name": "format", "weight": 0.1, "args": {"pattern": FORMAT_REGEX, "mode": "fullmatch"}}]
 
 
-def _eval_section() -> dict[str, Any]:
-    return {"max_examples": None, "max_new_tokens": 48, "format_regex": FORMAT_REGEX, "correct_component": "correct"}
+def _eval_section(data: dict[str, Path]) -> dict[str, Any]:
+    """Held-out evaluation as two suites, run after each stage's last step: `target` (carry
+    problems: what RL must fix) and `retention` (no-carry problems: what SFT taught, RL must keep)."""
+    suite = {"rewards": _rewards(), "correct_component": "correct", "format_regex": FORMAT_REGEX,
+             "max_examples": None, "sampling": {"max_new_tokens": 48}}
+    return {"max_examples": None, "max_new_tokens": 48, "format_regex": FORMAT_REGEX, "correct_component": "correct",
+            "suites": [{"name": "target", "data": str(data["heldout_carry"]), **suite},
+                       {"name": "retention", "data": str(data["heldout_nocarry"]), **suite}]}
 
 
 def configs(out: Path, model: Path, data: dict[str, Path], s: DemoSettings) -> dict[str, dict[str, Any]]:
-    common = {"seed": s.seed, "logging": {"progress": True}, "eval": _eval_section(), "rewards": _rewards()}
+    common = {"seed": s.seed, "logging": {"progress": True}, "eval": _eval_section(data), "rewards": _rewards()}
     threads = {"num_threads": s.threads} if s.threads else {}
     sft = {"method": "sft", "output_dir": str(out / "runs" / "sft"), "model": {"path": str(model)},
            "data": {"train": str(data["sft"])},
@@ -72,8 +78,8 @@ def configs(out: Path, model: Path, data: dict[str, Path], s: DemoSettings) -> d
 
 def run_demo(out_dir: str | Path = "demo-output", settings: DemoSettings | None = None) -> dict[str, Any]:
     from rlft.api import train
-    from rlft.config import EvalConfig, RewardSpec, load_config
-    from rlft.eval.run import evaluate_model
+    from rlft.config import load_config
+    from rlft.eval.run import evaluate_suites
     from rlft.models.tiny import build_tiny_model
     from rlft.monitor.console import console
     from rlft.monitor.report import write_report
@@ -90,31 +96,33 @@ def run_demo(out_dir: str | Path = "demo-output", settings: DemoSettings | None 
     (out / "configs").mkdir(exist_ok=True)
     for name, cfg in cfgs.items():
         (out / "configs" / f"{name}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    eval_cfg = EvalConfig(**_eval_section())
-    rewards = [RewardSpec(**r) for r in _rewards()]
-
-    def heldout(target: Path) -> dict[str, float]:
-        return evaluate_model(target, str(data["heldout"]), rewards, eval_cfg, seed=s.seed, prefix="heldout/").metrics
 
     results: dict[str, Any] = {"seed": s.seed, "heldout_size": s.heldout}
     console.print(f"1/3 base model (random init, {_count(model)} parameters): evaluating on {s.heldout} held-out problems")
-    results["base"] = heldout(model)
+    results["base"] = _heldout(evaluate_suites(model, load_config(cfgs["sft"])).metrics)
     console.print("2/3 SFT on sloppy worked solutions (carries often forgotten)")
-    train(load_config(cfgs["sft"]))
-    results["sft"] = heldout(out / "runs" / "sft")
+    results["sft"] = _heldout(train(load_config(cfgs["sft"])))  # the suites ran after its last step
     console.print("3/3 GRPO from the SFT model; reward = is the final answer right (math) + 0.1 x format")
-    train(load_config(cfgs["grpo"]))
-    results["rl"] = heldout(out / "runs" / "grpo")
+    results["rl"] = _heldout(train(load_config(cfgs["grpo"])))
     results["reward_curve"] = _reward_curve(out / "runs" / "grpo" / "metrics.jsonl")
-    results["sft_accuracy"] = results["sft"]["heldout/accuracy"]
-    results["rl_accuracy"] = results["rl"]["heldout/accuracy"]
-    results["base_accuracy"] = results["base"]["heldout/accuracy"]
+    for name in ("base", "sft", "rl"):
+        results[f"{name}_accuracy"] = results[name]["heldout/accuracy"]
     results["seconds"] = round(time.perf_counter() - started, 1)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     _print_table(results, out)
     report = write_report([out / "runs" / "sft", out / "runs" / "grpo"], out / "report.html")
     console.print(f"report of both runs (curves, samples, health events): {report}")
     return results
+
+
+def _heldout(metrics: dict[str, Any]) -> dict[str, float]:
+    """The two suites' metrics, and the whole held-out set's (the suites weighted by their sizes)."""
+    out = {k: v for k, v in metrics.items() if k.startswith(("eval/target/", "eval/retention/"))}
+    sizes = {name: metrics[f"eval/{name}/num_prompts"] for name in ("target", "retention")}
+    for key in ("accuracy", "format_compliance", "length_mean"):
+        total = sum(metrics[f"eval/{name}/{key}"] * n for name, n in sizes.items())
+        out[f"heldout/{key}"] = total / sum(sizes.values())
+    return out
 
 
 def _count(model_dir: Path) -> str:
@@ -139,11 +147,13 @@ def _print_table(results: dict[str, Any], out: Path) -> None:
     from rlft.monitor.console import console
 
     table = Table(title=f"held-out accuracy ({results['heldout_size']} problems never seen in training)")
-    for col in ("model", "accuracy", "format compliance", "mean length (tokens)"):
+    for col in ("model", "accuracy", "target: carry", "retention: no carry", "format compliance",
+                "mean length (tokens)"):
         table.add_column(col)
     for name, label in (("base", "base (random init)"), ("sft", "SFT (sloppy data)"), ("rl", "SFT + GRPO")):
         m = results[name]
-        table.add_row(label, f"{m['heldout/accuracy']:.3f}", f"{m['heldout/format_compliance']:.3f}",
+        table.add_row(label, f"{m['heldout/accuracy']:.3f}", f"{m['eval/target/accuracy']:.3f}",
+                      f"{m['eval/retention/accuracy']:.3f}", f"{m['heldout/format_compliance']:.3f}",
                       f"{m['heldout/length_mean']:.1f}")
     console.print(table)
     curve = "  ".join(f"step {p['step']}: {p['correct']:.2f}" for p in results["reward_curve"])

@@ -45,10 +45,38 @@ def evaluate_model(target: str | Path, data: str, rewards: list[RewardSpec], cfg
         engine.close()
 
 
+def evaluate_suites(target: str | Path, settings: Config, *, device: str = "auto", engine: str = "hf",
+                    ) -> EvalResult:
+    """Every suite of `settings.eval.suites` on one model (as training runs them after its last
+    step); records carry their suite's name."""
+    from rlft.eval.suites import prepare_suites, run_suites
+
+    model_dir, _ = resolve_model(target)
+    policy = load_model_dir(model_dir, device)
+    d = settings.data
+    suites = prepare_suites(settings.eval.suites, policy.tokenizer, d.max_prompt_length, d.on_invalid,
+                            settings.scoring)
+    sampler = build_engine(policy, settings.seed, engine, batch_size=settings.eval.batch_size,
+                           vllm=settings.rollout.vllm)
+    try:
+        metrics, records = run_suites(sampler, suites, 0, 0, settings.seed)
+    finally:
+        sampler.close()
+    return EvalResult(metrics, [{"suite": name, **r} for name, recs in records.items() for r in recs])
+
+
 def make_scorer(rewards: list[RewardSpec], scoring: ScoringConfig | None = None) -> RewardScorer:
     sc = scoring or ScoringConfig()
     return RewardScorer(rewards, sc.max_workers, timeout_s=sc.timeout_s,
                         max_consecutive_timeouts=sc.max_consecutive_timeouts, on_error=sc.on_reward_error)
+
+
+def load_model_dir(model_dir: Path, device: str = "auto") -> LoadedModel:
+    """A model folder to evaluate; an adapter-only export (LoRA on a 4-bit base) as its base as
+    trained plus the adapter."""
+    if is_adapter_export(model_dir):
+        return load_adapter_export(model_dir, device)
+    return load_policy(ModelConfig(path=str(model_dir), device=device), LoraConfig())
 
 
 def load_with_prompts(model_dir: Path, data: str, *, split: str = "train", max_prompt_length: int = 4096,
@@ -56,10 +84,7 @@ def load_with_prompts(model_dir: Path, data: str, *, split: str = "train", max_p
                       max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> tuple[LoadedModel, list[PromptExample]]:
     """The model of a folder and the data's prompt rows, encoded with its own tokenizer and chat
     template (rows missing a field in `required_fields` are reported before anything is generated)."""
-    if is_adapter_export(model_dir):  # LoRA on a 4-bit base: the base as trained + the adapter
-        policy = load_adapter_export(model_dir, device)
-    else:
-        policy = load_policy(ModelConfig(path=str(model_dir), device=device), LoraConfig())
+    policy = load_model_dir(model_dir, device)
     encode = make_prompt_encoder(policy.tokenizer, max_prompt_length, required_fields)
     return policy, check_rows(read_rows(data, split, max_row_bytes), encode, data, "eval prompt")
 

@@ -8,60 +8,14 @@ deviation, maj@k over the sampled answers, and the gap between the training rewa
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from pydantic import Field, field_validator
-
-from rlft.config import EvalConfig, RewardSpec, Section
+from rlft.config import EvalSuite, SuiteSampling
 from rlft.data.prompts import PromptExample
 from rlft.eval.generation import evaluate_prompts
 from rlft.eval.metrics import length_stats, maj_at_k, normalize_answer
 from rlft.rollout.contract import Completion, SamplingParams
-
-
-class SuiteSampling(Section):
-    num_samples: int = Field(1, ge=1, description="Completions per prompt (k of pass@k and maj@k).")
-    temperature: float = Field(0.0, ge=0, description="0: greedy; > 0: sampled.")
-    max_new_tokens: int = Field(128, ge=1, description="Longest completion.")
-    batch_size: int = Field(64, ge=1, description="Sequences generated per forward.")
-
-
-class EvalSuite(Section):
-    """One held-out set (`eval.suites: [...]` in a config)."""
-
-    name: str = Field(description="Metric prefix: eval/<name>/...; letters, digits, '_', '-' and '.'.")
-    data: str = Field(description="Prompt rows (.jsonl/.json/.parquet, a saved dataset or 'hf:NAME').")
-    split: str = Field("train", description="Split of an 'hf:NAME' dataset.")
-    rewards: list[RewardSpec] = Field(default_factory=list, description="Reward components (default: none).")
-    correct_component: str | None = Field(
-        None, description="Reward component that means 'correct' (default: the first).")
-    correct_threshold: float = Field(1.0, description="A sample is correct when that component is >= this.")
-    sampling: SuiteSampling = Field(default_factory=SuiteSampling)
-    format_regex: str | None = Field(None, description="A completion is compliant when it stops and fully matches.")
-    max_examples: int | None = Field(256, ge=1, description="Rows used (None: all).")
-    every: int | None = Field(None, ge=1, description="Run every N steps (always after the last step).")
-    answer: str | None = Field(
-        "math", description="maj@k answer extractor: 'math' (boxed / 'answer is' / last number), "
-                            "'module:function' (completion -> answer or None), or null (no maj@k).")
-
-    @field_validator("name")
-    @classmethod
-    def _plain_name(cls, value: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", value):
-            raise ValueError(f"eval suite name {value!r} must use letters, digits, '_', '-' or '.' only")
-        return value
-
-    def eval_config(self) -> EvalConfig:
-        s = self.sampling
-        return EvalConfig(max_examples=self.max_examples, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
-                          num_samples=s.num_samples, format_regex=self.format_regex,
-                          correct_component=self.correct_component, correct_threshold=self.correct_threshold,
-                          batch_size=s.batch_size)
-
-    def due(self, step: int, total_steps: int) -> bool:
-        return step == total_steps or bool(self.every) and step % self.every == 0
 
 
 def answer_extractor(spec: str | None) -> Callable[[str], str | None] | None:
@@ -85,12 +39,12 @@ class PreparedSuite:
 
 
 def prepare_suites(suites: Sequence[EvalSuite], tokenizer: Any, max_prompt_length: int,
-                   on_invalid: str = "error") -> list[PreparedSuite]:
+                   on_invalid: str = "error", scoring: Any = None) -> list[PreparedSuite]:
     """Read and check every suite's rows and build its rewards once, before training starts."""
     from rlft.data.readers import read_rows
     from rlft.data.prompts import make_prompt_encoder
     from rlft.data.validate import check_rows
-    from rlft.rewards.scoring import RewardScorer
+    from rlft.eval.run import make_scorer
 
     names = [s.name for s in suites]
     dupes = sorted({n for n in names if names.count(n) > 1})
@@ -100,7 +54,7 @@ def prepare_suites(suites: Sequence[EvalSuite], tokenizer: Any, max_prompt_lengt
         raise ConfigError(f"eval.suites: names must be unique; {dupes} appear more than once")
     out = []
     for s in suites:
-        scorer = RewardScorer(s.rewards) if s.rewards else None
+        scorer = make_scorer(s.rewards, scoring) if s.rewards else None
         encode = make_prompt_encoder(tokenizer, max_prompt_length, scorer.required_fields if scorer else ())
         examples = check_rows(read_rows(s.data, s.split), encode, s.data, f"eval suite '{s.name}'", on_invalid)
         out.append(PreparedSuite(s, examples, scorer, answer_extractor(s.answer)))
@@ -149,13 +103,14 @@ def evaluate_suite(engine: Any, prepared: PreparedSuite, seed: int = 0,
 
 
 def run_suites(engine: Any, prepared: Sequence[PreparedSuite], step: int, total_steps: int, seed: int = 0,
-               train_reward: float | None = None) -> tuple[dict[str, float], dict[str, list[dict[str, Any]]]]:
-    """Run the suites due at `step` (all of them after the last step): merged metrics, and the
-    records of each suite that ran."""
+               train_reward: float | None = None, default_every: int | None = None,
+               ) -> tuple[dict[str, float], dict[str, list[dict[str, Any]]]]:
+    """Run the suites due at `step` (all of them after the last step; a suite without its own
+    `every` follows `default_every`): merged metrics, and the records of each suite that ran."""
     metrics: dict[str, float] = {}
     records: dict[str, list[dict[str, Any]]] = {}
     for p in prepared:
-        if p.suite.due(step, total_steps):
+        if p.suite.due(step, total_steps, default_every):
             m, recs = evaluate_suite(engine, p, seed, train_reward)
             metrics.update(m)
             records[p.suite.name] = recs

@@ -45,9 +45,13 @@ def metric_names(config: Any, components: list[str]) -> tuple[set[str], tuple[st
     cover the parts of dict-valued rewards (`reward/<component>/<part>`), known only at run time."""
     names, prefixes = set(_STEP), []
     has_eval = bool(config.data.eval)
+    prefixes += [f"eval/{suite.name}/" for suite in config.eval.suites]  # accuracy, pass@k, maj@k, ...
     if config.is_online:
         a = config.algorithm
         names.update(_ONLINE)
+        names.update(("sft_mix/nll",) if a.sft_mix else ())
+        if not isinstance(config.data.train, str):  # mixed sources: reward/accuracy/share per source
+            prefixes += ["reward/source/", "accuracy/source/", "data/source/"]
         names.update(f"reward/{c}" for c in components)
         prefixes += [f"reward/{c}/" for c in components]
         names.update(_ONLINE_IF["kl"] if config.needs_reference else ())

@@ -23,6 +23,7 @@ import torch
 
 from rlft.algorithms.preference_losses import LOGP_REDUCTION, PREFERENCE_LOSSES
 from rlft.config import DataConfig, DpoConfig
+from rlft.data.mixing import TrainRows
 from rlft.data.pairs import PreferenceExample, collate_pairs, load_preference_splits
 from rlft.models.forward import forward_logits, selected_logprobs
 from rlft.models.loading import LoadedModel, Reference, disable_dropout
@@ -48,21 +49,22 @@ class DpoObjective:
     progress_keys = ["loss", "lr", "grad_norm", "rewards/accuracy", "rewards/margin",
                      "eval/rewards/accuracy", "eval/rewards/margin"]
 
-    def __init__(self, data: DataConfig, dpo: DpoConfig, chunk: int):
+    def __init__(self, data: DataConfig, dpo: DpoConfig, chunk: int, seed: int = 0):
         """`chunk`: pairs per forward outside training (reference scoring, evaluation)."""
+        self.seed = seed
         self.data, self.dpo, self.chunk = data, dpo, chunk
         self.loss_fn = PREFERENCE_LOSSES[dpo.loss]
         self.mean_logps = LOGP_REDUCTION[dpo.loss] == "mean"
         self.pad_id = 0
         self.reference: Reference | None = None
 
-    def prepare(self, policy: LoadedModel) -> tuple[list[PreferenceExample], list[PreferenceExample], dict]:
+    def prepare(self, policy: LoadedModel) -> tuple[TrainRows, list[PreferenceExample], dict]:
         self.pad_id = policy.tokenizer.pad_token_id
         disable_dropout(policy.model)
-        train, evals, data_summary = load_preference_splits(policy.tokenizer, self.data)
+        train, evals, data_summary = load_preference_splits(policy.tokenizer, self.data, self.seed)
         self.reference = Reference(policy)
         if self.dpo.precompute_ref:
-            for examples in (train, evals):
+            for examples in (train.examples, evals):
                 self._precompute(examples, policy.device)
             self.reference = None  # a full fine-tune's frozen copy is no longer needed
         return train, evals, data_summary

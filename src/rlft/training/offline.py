@@ -15,9 +15,12 @@ from typing import Any, Protocol
 import torch
 
 from rlft.config import Config
-from rlft.data.order import BatchCursor, epoch_order
+from rlft.data.mixing import TrainRows
+from rlft.data.order import BatchCursor
+from rlft.eval.suites import prepare_suites
 from rlft.models.loading import LoadedModel, load_policy
 from rlft.monitor.stats import MetricAccumulator
+from rlft.rollout import build_engine
 from rlft.training.distributed import SINGLE, World, loss_scale, shard
 from rlft.training.session import TrainingSession, evaluation, open_run, run_precision, session_for
 
@@ -26,9 +29,9 @@ class OfflineObjective(Protocol):
     title: str
     progress_keys: list[str]
 
-    def prepare(self, policy: LoadedModel) -> tuple[list[Any], list[Any], dict[str, Any]]:
-        """(train examples, eval examples, data statistics for the summary); validation errors are
-        raised here, before training."""
+    def prepare(self, policy: LoadedModel) -> tuple[TrainRows | list[Any], list[Any], dict[str, Any]]:
+        """(train rows -- data.train's sources, data/mixing.py -- or a plain list, eval examples, data
+        statistics for the summary); validation errors are raised here, before training."""
 
     def normaliser(self, examples: list[Any]) -> float:
         """What one optimizer step's summed loss is divided by (tokens, pairs...)."""
@@ -53,11 +56,11 @@ def make_objective(config: Config) -> OfflineObjective:
     if config.method == "dpo":
         from rlft.training.dpo_objective import DpoObjective
 
-        return DpoObjective(config.data, config.dpo, chunk)
+        return DpoObjective(config.data, config.dpo, chunk, config.seed)
     if config.method == "reward_model":
         from rlft.training.rm_objective import RewardModelObjective
 
-        return RewardModelObjective(config.data, config.reward_model, chunk)
+        return RewardModelObjective(config.data, config.reward_model, chunk, config.seed)
     raise ValueError(f"{config.method!r} is not an offline method")
 
 
@@ -84,8 +87,10 @@ def run_offline(config: Config, objective: OfflineObjective | None = None,
             session.loggers.close()
 
 
-def _train(config: Config, objective: OfflineObjective, session: TrainingSession, train: list[Any],
+def _train(config: Config, objective: OfflineObjective, session: TrainingSession, train: TrainRows | list[Any],
            evals: list[Any]) -> dict[str, Any]:
+    if not isinstance(train, TrainRows):  # an objective that reads one source itself
+        train = TrainRows(train, ["train"], [0], [len(train)], config.seed, config.data.shuffle)
     policy = session.policy
     tc = config.training
     batch, micro = tc.batch_size, tc.micro_batch_size or tc.batch_size
@@ -95,6 +100,10 @@ def _train(config: Config, objective: OfflineObjective, session: TrainingSession
         total = min(total, tc.max_steps)
     cursor = BatchCursor()
     session.register("data", cursor)
+    # eval.suites sample from the policy (its whole copy in a distributed run)
+    suites = prepare_suites(config.eval.suites, policy.tokenizer, config.data.max_prompt_length,
+                            config.data.on_invalid, config.scoring)
+    suite_engine = build_engine(policy.unsharded(), config.seed, batch_size=config.eval.batch_size) if suites else None
     session.start(total, objective.progress_keys, objective.title)
     session.resume()
     model = policy.model
@@ -106,10 +115,10 @@ def _train(config: Config, objective: OfflineObjective, session: TrainingSession
 
         while cursor.epoch < tc.epochs and not done():
             epoch = cursor.epoch
-            order = epoch_order(len(train), config.seed, epoch, config.data.shuffle)
+            order = train.order(epoch)
             while cursor.epoch == epoch and not done():
                 b = cursor.batch
-                examples = [train[i] for i in order[b * batch:(b + 1) * batch]]
+                examples = [train.examples[i] for i in order[b * batch:(b + 1) * batch]]
                 metrics = _train_step(session, objective, model, examples, micro)
                 cursor.advance(steps_per_epoch)
                 if metrics is None:  # skipped: non-finite loss or gradient
@@ -121,6 +130,11 @@ def _train(config: Config, objective: OfflineObjective, session: TrainingSession
                     with session.autocast():
                         eval_metrics, failed = evaluation(lambda: objective.evaluate(policy, evals))
                     metrics.update(eval_metrics)
+                    model.train()
+                if suites and failed is None:
+                    suite_metrics, failed = session.evaluate_suites(suite_engine, suites, config.seed)
+                    metrics.update(suite_metrics)
+                    eval_metrics.update(suite_metrics)
                     model.train()
                 session.log(metrics)
                 if failed is not None:

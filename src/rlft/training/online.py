@@ -19,12 +19,14 @@ from rich.markup import escape
 
 from rlft.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, make_kl_controller
 from rlft.config import Config, DataConfig
+from rlft.data.mixing import TrainRows, read_train_rows
 from rlft.data.order import PromptSampler
 from rlft.data.prompts import PromptExample, make_prompt_encoder
 from rlft.data.readers import read_rows
 from rlft.data.validate import check_rows
-from rlft.errors import RewardError, TrainingHalted
+from rlft.errors import ConfigError, RewardError, TrainingHalted
 from rlft.eval.generation import evaluate_prompts
+from rlft.eval.suites import prepare_suites
 from rlft.models.loading import Reference, disable_dropout, load_policy, resolve_device
 from rlft.monitor.checks import infra_error_message
 from rlft.rewards.calls import ScoringInterrupted
@@ -38,6 +40,7 @@ from rlft.training.rl_update import UpdateSettings, policy_update, reference_log
 from rlft.training import checkpoint as ckpt
 from rlft.training.distributed import SINGLE, World, gather_rows, shard
 from rlft.training.session import TrainingSession, evaluation, open_run, run_precision, session_for
+from rlft.training.sft_mix import build_sft_mix
 
 PROGRESS_KEYS = ["reward/mean", "kl", "entropy", "completion/length_mean", "clip/high_frac", "eval/accuracy"]
 
@@ -77,18 +80,27 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
                           max_consecutive_timeouts=sc.max_consecutive_timeouts, on_error=sc.on_reward_error,
                           should_stop=should_stop, warn=None)
     needs = scorer.required_fields
-    prompts = load_prompts(d, policy.tokenizer, d.train, d.split, "prompt", needs)
+    train_rows = read_train_rows(d, config.seed, lambda path: load_prompts(d, policy.tokenizer, path, d.split,
+                                                                           "prompt", needs))
+    prompts = train_rows.examples
     evals = load_prompts(d, policy.tokenizer, d.eval, d.eval_split or d.split, "eval prompt", needs) if d.eval else []
+    suites = prepare_suites(config.eval.suites, policy.tokenizer, d.max_prompt_length, d.on_invalid, sc)
+    sft_mix = build_sft_mix(config, policy.tokenizer, world)
+    correct = config.eval.correct_component or scorer.components[0][0]
+    if train_rows.mixed and correct not in [name for name, *_ in scorer.components]:
+        raise ConfigError(f"eval.correct_component {correct!r} (per-source accuracy) is not a reward component; "
+                          f"choose one of {[name for name, *_ in scorer.components]}")
     engine = rollout_engine(config.rollout, policy.unsharded(), config.seed, sample_dtype)  # whole weights
     kl_ctl = make_kl_controller(a.kl_coef, a.kl_target, a.kl_adapt_factor)
-    sampler = PromptSampler(len(prompts), config.seed, d.shuffle)
+    sampler = PromptSampler(len(train_rows), config.seed, d.shuffle, order=train_rows.order)
     update_gen = torch.Generator().manual_seed(config.seed)
-    total = config.training.max_steps or config.training.epochs * math.ceil(len(prompts) / config.rollout.prompts_per_step)
+    total = config.training.max_steps or config.training.epochs * math.ceil(len(train_rows) /
+                                                                          config.rollout.prompts_per_step)
     settings, params = UpdateSettings.from_config(config), sampling_params(config.rollout)
     critic = build_critic(config, session, settings, total) if a.advantage == "gae" else None
 
     for name, part in (("sampler", sampler), ("kl", kl_ctl), ("engine", engine), ("update_generator", update_gen),
-                       ("critic", critic)):
+                       ("critic", critic), ("sft_mix", sft_mix)):
         if part is not None:  # no rollout buffer survives a step: after a resume the next batch is new
             session.register(name, _GeneratorState(part) if isinstance(part, torch.Generator) else part)
     session.start(total, PROGRESS_KEYS, config.method, updates_per_step=a.epochs * a.minibatches)
@@ -110,12 +122,14 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
                 _halt(session, step_start, str(exc))
             rollout.metrics.update(world_sums(world, _scoring_report(session, scorer)))
             _check_infra(session, rollout, sc.max_infra_error_rate, step_start)
-            metrics = online_step(session, rollout, reference, kl_ctl, settings, update_gen, critic)
+            metrics = online_step(session, rollout, reference, kl_ctl, settings, update_gen, critic, sft_mix)
             if metrics is None:  # every update was skipped (non-finite): draw a new batch
                 continue
             session.sync_mirror()  # a distributed run's whole copy, which the engine samples from
             engine.sync_weights()
             session.step += 1
+            if train_rows.mixed:
+                metrics.update(_source_metrics(world, rollout, correct, config.eval.correct_threshold))
             texts = [t for part in world.gather([c.text for c in rollout.completions]) for t in part]
             metrics.update(session.monitor.completion_metrics(texts))
             metrics["time/step"] = time.perf_counter() - start
@@ -124,6 +138,10 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
             if evals and session.eval_due():
                 eval_metrics, failed = _evaluate(session, engine, evals, config, scorer)
                 metrics.update(eval_metrics)
+            if suites and failed is None:
+                suite_metrics, failed = session.evaluate_suites(engine, suites, config.seed, metrics["reward/mean"])
+                metrics.update(suite_metrics)
+                eval_metrics.update(suite_metrics)
             _log_samples(session, rollout, config.logging.num_samples, config.logging.sample_every)
             session.log(metrics)
             last = metrics
@@ -149,7 +167,7 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
 
 def online_step(session: TrainingSession, rollout: Rollout, reference: Reference | None, kl_ctl: Any,
                 s: UpdateSettings, generator: torch.Generator, critic: Critic | None = None,
-                ) -> dict[str, float] | None:
+                sft_mix: Any = None) -> dict[str, float] | None:
     """Advantages and policy updates for one scored rollout; returns the step's metrics. In a
     distributed run `rollout` is this rank's share; metrics and advantages are the global batch's."""
     world = session.world
@@ -195,7 +213,7 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
     update: dict[str, float] = {"update/optimizer_steps": 0.0}
     if train_policy:
         extra = critic.policy_term() if critic is not None else None
-        update = policy_update(session, batch, advantages, ref_lp, beta, s, generator, extra)
+        update = policy_update(session, batch, advantages, ref_lp, beta, s, generator, extra, sft_mix)
         if update["update/optimizer_steps"] == 0 and "update/skipped_no_signal" not in update:
             return None
     if critic is not None:
@@ -225,6 +243,24 @@ def _rollout_metrics(session: TrainingSession, rollout: Rollout, beta: float) ->
                     "completion/truncation_rate": sum(f == "length" for f in finishes) / n,
                     "completion/tokens": float(sum(lengths)), "lr": session.lr, "beta": beta})
     return metrics
+
+
+def _source_metrics(world: World, rollout: Rollout, correct: str, threshold: float) -> dict[str, float]:
+    """Mixed data sources: each source's mean reward and accuracy (its `correct` component at or
+    above `threshold`) over the step's completions of its prompts, on every rank."""
+    local = [(e.source, total, value) for e, total, value in
+             zip(rollout.examples, rollout.scores.total, rollout.scores.components.get(correct, []))]
+    by_source: dict[str, list[tuple[float | None, float | None]]] = {}
+    for part in world.gather(local):
+        for source, total, value in part:
+            by_source.setdefault(source, []).append((total, value))
+    out: dict[str, float] = {}
+    for source, rows in sorted(by_source.items()):
+        totals = [t for t, _ in rows if t is not None]
+        out[f"reward/source/{source}"] = sum(totals) / len(totals) if totals else float("nan")
+        out[f"accuracy/source/{source}"] = sum(v is not None and v >= threshold for _, v in rows) / len(rows)
+        out[f"data/source/{source}_frac"] = len(rows) / sum(len(r) for r in by_source.values())
+    return out
 
 
 def world_sums(world: World, metrics: dict[str, float]) -> dict[str, float]:

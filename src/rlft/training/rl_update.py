@@ -83,6 +83,12 @@ class Trainer(Protocol):
     def optimizer_step(self, loss_value: float) -> tuple[bool, float]: ...
 
 
+class AuxLoss(Protocol):
+    """A loss on other data added once per optimizer step (algorithm.sft_mix: an SFT NLL)."""
+
+    def __call__(self, model: Any) -> tuple[Tensor, dict[str, float]]: ...
+
+
 class ExtraLoss(Protocol):
     """A loss term computed from the policy's own forward and trained by its optimizer (PPO's
     shared value head). `rows` index the full batch; `hidden` is `[n, T, H]` when needs_hidden."""
@@ -148,9 +154,10 @@ def engine_mismatch(trainer_lp: Tensor, engine_lp: Tensor, mask: Tensor) -> dict
 
 def policy_update(trainer: Trainer, batch: RolloutBatch, advantages: Tensor, ref_logprobs: Tensor | None,
                   beta: float, s: UpdateSettings, generator: torch.Generator,
-                  extra: ExtraLoss | None = None) -> dict[str, float]:
+                  extra: ExtraLoss | None = None, aux: AuxLoss | None = None) -> dict[str, float]:
     """mu epochs x minibatches optimizer steps; returns metrics averaged over them (over every rank's
-    tokens in a distributed run, where each rank updates on its own rows)."""
+    tokens in a distributed run, where each rank updates on its own rows). `aux` adds its loss to
+    every optimizer step."""
     model = trainer.policy.model
     world = getattr(trainer, "world", SINGLE)
     model.train()
@@ -175,7 +182,7 @@ def policy_update(trainer: Trainer, batch: RolloutBatch, advantages: Tensor, ref
             tokens, sequences = world.sum([float(loss_mask[chunk].sum()), float(loss_mask[chunk].any(-1).sum())])
             norms = {"num_tokens": tokens, "num_sequences": sequences}
             rows = chunk[carries_signal[chunk]]
-            if not world.any(rows.numel() > 0):  # no rank has a row that moves the loss
+            if aux is None and not world.any(rows.numel() > 0):  # no rank has a row that moves the loss
                 stats.add({"update/skipped_no_signal": 1.0})
                 continue
             micro = _micro_batches(batch, rows, s.micro_batch_size) if rows.numel() else []
@@ -194,6 +201,12 @@ def policy_update(trainer: Trainer, batch: RolloutBatch, advantages: Tensor, ref
                 if real:
                     loss_value += float(loss.detach())
                     stats.add(m, float(mask.sum()))
+            if aux is not None:  # one batch of its rows per optimizer step, on every rank
+                with trainer.autocast():
+                    aux_loss, m = aux(model)
+                trainer.backward(aux_loss * loss_scale(world))
+                loss_value += float(aux_loss.detach())
+                stats.add(m)
             applied, grad_norm = trainer.optimizer_step(loss_value)
             if applied:
                 applied_steps += 1

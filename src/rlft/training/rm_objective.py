@@ -20,6 +20,7 @@ import torch
 
 from rlft.algorithms.preference_losses import bradley_terry
 from rlft.config import DataConfig, RewardModelConfig
+from rlft.data.mixing import TrainRows
 from rlft.data.pairs import PreferenceExample, collate_pairs, load_preference_splits
 from rlft.models.loading import LoadedModel, load_reward_model
 
@@ -35,15 +36,16 @@ class RewardModelObjective:
     progress_keys = ["loss", "lr", "grad_norm", "rm/accuracy", "eval/accuracy", "eval/margin"]
     load_model = staticmethod(load_reward_model)
 
-    def __init__(self, data: DataConfig, settings: RewardModelConfig, chunk: int):
+    def __init__(self, data: DataConfig, settings: RewardModelConfig, chunk: int, seed: int = 0):
         """`chunk`: pairs per forward when evaluating."""
+        self.seed = seed
         self.data, self.chunk = data, chunk
         self.default_margin, self.center_coef = settings.margin, settings.center_coef
         self.pad_id = 0
 
-    def prepare(self, policy: LoadedModel) -> tuple[list[PreferenceExample], list[PreferenceExample], dict]:
+    def prepare(self, policy: LoadedModel) -> tuple[TrainRows, list[PreferenceExample], dict]:
         self.pad_id = policy.tokenizer.pad_token_id
-        return load_preference_splits(policy.tokenizer, self.data)
+        return load_preference_splits(policy.tokenizer, self.data, self.seed)
 
     def normaliser(self, examples: list[PreferenceExample]) -> float:
         return float(len(examples))

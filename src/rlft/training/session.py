@@ -435,6 +435,32 @@ class TrainingSession:
         self.last_metrics.update(metrics)
         self._watch(record)
 
+    def evaluate_suites(self, engine: Any, suites: list[Any], seed: int,
+                        train_reward: float | None = None) -> tuple[dict[str, float], str | None]:
+        """The eval suites (eval.suites, prepared by eval/suites.py) due after this step: their
+        metrics (eval/<suite>/...) and why they failed, if they did; their completions go to
+        samples.jsonl (`suite` names the suite)."""
+        from rlft.eval.suites import run_suites
+
+        every = self.training.eval_every
+        due = [p for p in suites if p.suite.due(self.step, self.total_steps, every)]
+        if not due:
+            return {}, None
+        self.sync_mirror()  # a distributed run samples from its whole copy
+        ran: dict[str, list[dict[str, Any]]] = {}
+
+        def run() -> dict[str, float]:
+            with self.autocast():
+                metrics, records = run_suites(engine, due, self.step, self.total_steps, seed, train_reward, every)
+            ran.update(records)
+            return metrics
+
+        metrics, failed = evaluation(run)
+        if self.world.main:
+            for name, records in ran.items():
+                self.log_samples([{"step": self.step, "suite": name, **r} for r in records])
+        return metrics, failed
+
     def log_samples(self, records: list[dict[str, Any]]) -> None:
         self.run.log_samples(records)
         self.loggers.log_samples(self.step, records)

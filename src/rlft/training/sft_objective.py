@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from rlft.config import DataConfig, EvalConfig, RewardSpec, ScoringConfig
+from rlft.data.mixing import TrainRows, read_train_rows
 from rlft.data.prompts import prompt_example
 from rlft.data.readers import read_rows
 from rlft.data.sft_examples import SftExample, collate_sft, make_sft_encoder
@@ -35,12 +36,13 @@ class SftObjective:
                                    on_error=sc.on_reward_error) if rewards else None
         self.pad_id = 0
 
-    def prepare(self, policy: LoadedModel) -> tuple[list[SftExample], list[SftExample], dict[str, Any]]:
+    def prepare(self, policy: LoadedModel) -> tuple[TrainRows, list[SftExample], dict[str, Any]]:
         d, tok = self.data, policy.tokenizer
         self.pad_id = tok.pad_token_id
         end_ids = end_of_turn_ids(tok)
         encode = make_sft_encoder(tok, end_ids, d.max_length, d.max_prompt_length)
-        train = check_rows(read_rows(d.train, d.split, d.max_row_bytes), encode, d.train, "SFT", d.on_invalid)
+        train = read_train_rows(d, self.seed, lambda path: check_rows(read_rows(path, d.split, d.max_row_bytes), encode,
+                                                                      path, "SFT", d.on_invalid))
         evals: list[SftExample] = []
         if d.eval:  # eval rows are scored by the rewards: they need the fields those read
             needs = self.scorer.required_fields if self.scorer else ()
