@@ -157,7 +157,10 @@ def print_table(workloads: list[dict], generation: list[dict], bound: dict | Non
             if fw == "rlft" and not w["speedup"] and w.get("speedup_lower_bound"):
                 speed = f">{w['speedup_lower_bound']:.1f}x"
             prec = "defaults" if w["defaults"] else "fp32"
-            steps = "" if s.get("ok") else f"  (no step finished in {s.get('wall_s', 0):.0f} s)"
+            steps = ""
+            if not s.get("ok"):
+                steps = (f"  (no step finished in {s.get('wall_s', 0):.0f} s)" if s.get("time_limited") else
+                         f"  (FAILED: exit {s.get('rc')} after {s.get('steps_done', 0)} steps, {s.get('log')})")
             mark = "*" if s.get("partial") else ""
             print(f"{w['name']:<20} {fw:<6} {prec:<9} {fmt(s.get('s_per_step')) + mark:>8} "
                   f"{fmt(s.get('generate_s_per_step')):>8} {fmt(s.get('rest_s_per_step')):>8} "
@@ -303,6 +306,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch threads in every process (default 2)")
     ap.add_argument("--time-limit", type=float, default=None,
                     help="seconds before a run is stopped (its finished steps are still reported)")
+    ap.add_argument("--memory-limit-gb", type=float, default=None,
+                    help="address-space cap per run (a run that needs more fails instead of swapping or OOM-killing)")
     ap.add_argument("--scaling", action="store_true", help="also the rlft G x length scaling table (scaling.py)")
     ap.add_argument("--scaling-model", default="tiny", choices=["tiny", "small"])
     ap.add_argument("--rlft-set", action="append", metavar="KEY=VALUE",
@@ -338,7 +343,7 @@ def main() -> int:
             "group_size": GROUP_SIZE, "prompts_per_step": PROMPTS_PER_STEP, "temperature": TEMPERATURE,
             "kl_coef": KL_COEF, "learning_rate": LEARNING_RATE, "lr_scheduler": "cosine, no warmup", "seed": SEED,
             "steps": args.steps, "threads": args.threads, "lora": LORA, "quick": args.quick,
-            "time_limit_s": args.time_limit, "rlft_set": args.rlft_set,
+            "time_limit_s": args.time_limit, "memory_limit_gb": args.memory_limit_gb, "rlft_set": args.rlft_set,
             "cpu_capability": cpu_capability(),
             "step_time": "rollout + reward + reference + update + optimizer step "
                          "(rlft time/step; TRL on_step_begin->on_step_end)"},

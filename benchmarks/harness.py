@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -31,16 +32,25 @@ def child_env(threads: int) -> dict[str, str]:
     return env
 
 
-def run_child(cmd: list[str], log: Path, threads: int, time_limit: float | None = None) -> dict:
+def run_child(cmd: list[str], log: Path, threads: int, time_limit: float | None = None,
+              memory_limit_gb: float | None = None) -> dict:
     """Run `cmd` from the repo root; return its exit code, wall time and peak RSS (this child only).
     Past `time_limit` seconds its process group is stopped (SIGTERM, then SIGKILL) and
-    `time_limited` is set: what it logged so far is still read by the caller."""
+    `time_limited` is set: what it logged so far is still read by the caller. `memory_limit_gb`
+    caps the child's address space (RLIMIT_AS), so a run that needs more fails with an allocation
+    error instead of pushing a shared machine into its OOM killer."""
     log.parent.mkdir(parents=True, exist_ok=True)
     limited = False
+
+    def limit_memory() -> None:
+        if memory_limit_gb:
+            cap = int(memory_limit_gb * 2**30)
+            resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
     with open(log, "w") as fh:
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=child_env(threads),
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=limit_memory)
         deadline = None if time_limit is None else start + time_limit
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
@@ -161,7 +171,7 @@ def run_rlft(name: str, wl: dict, model_dir: Path, args, work: Path, steps: int)
     cfg_path.parent.mkdir(parents=True, exist_ok=True)
     cfg_path.write_text(yaml.safe_dump(config, sort_keys=False))
     res = run_child([*rlft_command(), "train", rel(cfg_path)], work / "logs" / f"{name}-rlft.log", args.threads,
-                    args.time_limit)
+                    args.time_limit, getattr(args, "memory_limit_gb", None))
     res["config"] = rel(cfg_path)
     res["precision"] = training.get("precision", "fp32 (no training.precision field)")
     metrics = out_dir / "metrics.jsonl"
@@ -192,7 +202,8 @@ def run_trl(name: str, wl: dict, model_dir: Path, args, work: Path, steps: int) 
     result_path.unlink(missing_ok=True)
     steps_log.unlink(missing_ok=True)
     res = run_child([sys.executable, rel(HERE / "trl_worker.py"), rel(spec_path)],
-                    work / "logs" / f"{name}-trl.log", args.threads, args.time_limit)
+                    work / "logs" / f"{name}-trl.log", args.threads, args.time_limit,
+                    getattr(args, "memory_limit_gb", None))
     res["config"] = rel(spec_path)
     res["precision"] = "TRL defaults (bf16=True, gradient_checkpointing=True)" if wl.get("defaults") else "fp32"
     if res["rc"] == 0 and result_path.is_file():
