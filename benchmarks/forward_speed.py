@@ -11,6 +11,7 @@ Variants (same batch, same loss: a weighted sum of log-probs and entropies over 
 - `chunked padded`: decoder forward on the padded batch, chunked head on valid tokens only.
 - `chunked packed`: the same with the rows packed padding-free (bins no longer than the widest row).
 - `chunked packed-1seq`: all rows in one sequence (the flash-attention layout), for comparison.
+`--profile` adds torch.profiler's top operators per variant (where the time goes).
 Timing: median of `--repeats` interleaved runs after one warm-up; peak live tensor bytes from
 `rlft.monitor.memory.LiveTensorTracker` in a separate run.
 """
@@ -100,6 +101,7 @@ def main() -> int:
     ap.add_argument("--variants", nargs="+", default=["full-logits padded", "chunked padded", "chunked packed",
                                                       "chunked packed-1seq"])
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler table (top ops by self CPU time) per variant")
     ap.add_argument("--quick", action="store_true", help="tiny model, 8 rows, 2 repeats")
     ap.add_argument("--work", type=Path, default=HERE / "work")
     ap.add_argument("--out", type=Path)
@@ -132,6 +134,14 @@ def main() -> int:
             with LiveTensorTracker() as tracker:
                 step(model, v, ids, mask, tc)
             peaks[v] = tracker.peak_bytes
+    if args.profile:
+        for v in args.variants:
+            if v.startswith("chunked packed"):
+                set_layout(model, v)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                step(model, v, ids, mask, tc)
+            print(f"\nprofile: {v}")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
     base = statistics.median(times[args.variants[0]])
     print(f"\n{'variant':<22} {'s/fwd+bwd':>10} {'vs first':>9} {'tokens/s':>10} {'peak MiB':>9}")
     result = {"model": args.model, "rows": args.rows, "lengths": lens, "real_tokens": real,

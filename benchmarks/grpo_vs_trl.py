@@ -16,7 +16,7 @@ Work (identical for both frameworks)
   forward/backward over all 32, one optimizer step per generation, mu = 1), temperature 1.0,
   no top-k/top-p, k3 KL in the loss with beta = 0.04, clip 0.2, group-std-normalised advantages,
   token-mean loss over the batch, AdamW lr 1e-5 with cosine decay and no warmup, grad-norm clip
-  1.0, seed 0, `--threads` torch threads (default 2), 20 steps (big-vocab: 5).
+  1.0, seed 0, `--threads` torch threads (default 2), 20 steps (large-full-defaults: 10, big-vocab: 5).
 - Workloads: tiny-full (~1M params, 32 new tokens), tiny-lora (LoRA r=16, alpha=32, dropout 0.05
   on all linear layers), large-full (~28M params, 128 new tokens): identical float32 work.
   `-defaults` variants (and big-vocab, 256 new tokens): each framework at its own defaults: TRL's
@@ -73,7 +73,7 @@ WORKLOADS = {
     "tiny-lora": {"model": "tiny", "lora": True, "max_new_tokens": 32},
     "large-full": {"model": "small", "lora": False, "max_new_tokens": 128},
     "tiny-lora-defaults": {"model": "tiny", "lora": True, "max_new_tokens": 32, "defaults": True},
-    "large-full-defaults": {"model": "small", "lora": False, "max_new_tokens": 128, "defaults": True},
+    "large-full-defaults": {"model": "small", "lora": False, "max_new_tokens": 128, "defaults": True, "steps": 10},
     "big-vocab": {"model": "big-vocab", "lora": False, "max_new_tokens": 256, "defaults": True, "steps": 5},
     "big-vocab-fp32": {"model": "big-vocab", "lora": False, "max_new_tokens": 256, "steps": 5},
 }
