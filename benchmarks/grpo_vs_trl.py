@@ -1,12 +1,14 @@
 """`make bench`: TRL's GRPOTrainer and rlft's GRPO on identical work, back to back.
 
-    python benchmarks/grpo_vs_trl.py            # tiny-full, tiny-lora, large-full, 20 steps each
-    python benchmarks/grpo_vs_trl.py --quick    # smoke run: tiny workloads, 6 steps
+    python benchmarks/grpo_vs_trl.py            # every workload below (+ --scaling for the G x length table)
+    python benchmarks/grpo_vs_trl.py --quick    # smoke run: tiny workloads (fp32 and defaults), 6 steps
+    python benchmarks/grpo_vs_trl.py --workloads big-vocab --time-limit 3600
 
 Work (identical for both frameworks)
 - Models built once with rlft's own builder (`rlft tiny-model --size tiny|small`, random weights,
   Qwen2 architecture, byte-level tokenizer, ChatML template) into `benchmarks/work/models/`; both
-  frameworks load the same files. Generation stops on the checkpoint's EOS ids (`<|im_end|>`, `<|endoftext|>`).
+  frameworks load the same files. `big-vocab` (`big_vocab_model.py`): Qwen2-shaped, vocabulary
+  151,936, hidden 512, 4 layers, tied, with the tiny family's tokenizer. Generation stops on the checkpoint's EOS ids (`<|im_end|>`, `<|endoftext|>`).
 - Prompts: `benchmarks/prompts.jsonl` ("What is A + B?", every prompt the same length in tokens),
   rendered with the same chat template (checked token for token before TRL trains).
 - Reward: `benchmarks/rewards.py` (share of digit characters), the same function for both.
@@ -14,9 +16,13 @@ Work (identical for both frameworks)
   forward/backward over all 32, one optimizer step per generation, mu = 1), temperature 1.0,
   no top-k/top-p, k3 KL in the loss with beta = 0.04, clip 0.2, group-std-normalised advantages,
   token-mean loss over the batch, AdamW lr 1e-5 with cosine decay and no warmup, grad-norm clip
-  1.0, fp32, seed 0, `--threads` torch threads (default 2), 20 steps.
+  1.0, seed 0, `--threads` torch threads (default 2), 20 steps (large-full-defaults: 10, big-vocab: 5).
 - Workloads: tiny-full (~1M params, 32 new tokens), tiny-lora (LoRA r=16, alpha=32, dropout 0.05
-  on all linear layers), large-full (~28M params, 128 new tokens).
+  on all linear layers), large-full (~28M params, 128 new tokens): identical float32 work.
+  `-defaults` variants (and big-vocab, 256 new tokens): each framework at its own defaults: TRL's
+  GRPOConfig `bf16=True` (autocast, float32 weights) and `gradient_checkpointing=True`; rlft's
+  `training.precision: auto` where this rlft has that field (float32 before), no checkpointing.
+  `big-vocab-fp32`: big-vocab as identical float32 work.
 
 Measured
 - s/step: the wall time of one optimizer step *including generation*: prompts -> sampling ->
@@ -29,6 +35,8 @@ Measured
   rlft logs `completion/tokens`; for TRL it is `completions/mean_length` x 32.
 - peak RSS: each framework runs in its own process; its `ru_maxrss` from `os.wait4` (includes
   imports and model loading).
+- `--time-limit S`: a run still going after S seconds is stopped; the steps it finished are
+  summarised (flagged `partial`), a run with none is reported as not finishing its first step.
 - final reward mean: the reward mean of the last step's 32 completions.
 - speedup: TRL s/step / rlft s/step (> 1: rlft is faster).
 - Generation: rlft's engine vs plain `model.generate` on the same batch (probes.py gen).
@@ -45,177 +53,34 @@ import argparse
 import json
 import os
 import platform
-import shutil
-import statistics
-import subprocess
 import sys
 import time
 from importlib import metadata
 from pathlib import Path
 
-import yaml
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import (GROUP_SIZE, KL_COEF, LEARNING_RATE, LORA, PROMPTS_PER_STEP, SEED, TEMPERATURE,  # noqa: E402
+                     build_models, first_measured, model_shapes, rel, run_child, run_rlft, run_trl,
+                     summarise, tail)
+from scaling import print_scaling, run_scaling  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
-GROUP_SIZE, PROMPTS_PER_STEP = 8, 4
-TEMPERATURE, KL_COEF, LEARNING_RATE, SEED = 1.0, 0.04, 1e-5, 0
-LORA = {"r": 16, "alpha": 32, "dropout": 0.05}
 WORKLOADS = {
     "tiny-full": {"model": "tiny", "lora": False, "max_new_tokens": 32},
     "tiny-lora": {"model": "tiny", "lora": True, "max_new_tokens": 32},
     "large-full": {"model": "small", "lora": False, "max_new_tokens": 128},
+    "tiny-lora-defaults": {"model": "tiny", "lora": True, "max_new_tokens": 32, "defaults": True},
+    "large-full-defaults": {"model": "small", "lora": False, "max_new_tokens": 128, "defaults": True, "steps": 10},
+    "big-vocab": {"model": "big-vocab", "lora": False, "max_new_tokens": 256, "defaults": True, "steps": 5},
+    "big-vocab-fp32": {"model": "big-vocab", "lora": False, "max_new_tokens": 256, "steps": 5},
 }
-QUICK_WORKLOADS = ["tiny-full", "tiny-lora"]
-
-
-# ---------------------------------------------------------------------------------------------
-# Processes
-
-
-def child_env(threads: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
-                "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1"})
-    return env
-
-
-def run_child(cmd: list[str], log: Path, threads: int) -> dict:
-    """Run `cmd` from the repo root; return its exit code, wall time and peak RSS (this child only)."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as fh:
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=child_env(threads))
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        wall = time.perf_counter() - start
-    return {"rc": proc.returncode, "wall_s": wall, "peak_rss_mb": usage.ru_maxrss / 1024, "log": rel(log)}
-
-
-def rel(path: Path) -> str:
-    try:
-        return str(Path(path).resolve().relative_to(ROOT))
-    except ValueError:
-        return str(path)
-
-
-def tail(path: str, n: int = 25) -> str:
-    lines = (ROOT / path).read_text(errors="replace").splitlines()
-    return "\n".join("    " + ln for ln in lines[-n:])
-
-
-def rlft_command() -> list[str]:
-    script = Path(sys.executable).parent / "rlft"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "rlft.cli"]
-
-
-# ---------------------------------------------------------------------------------------------
-# Setup
-
-
-def build_models(work: Path, names: set[str], threads: int) -> dict[str, Path]:
-    out = {}
-    for size in sorted(names):
-        folder = work / "models" / size
-        if not (folder / "model.safetensors").is_file():
-            print(f"building the {size} model in {rel(folder)} ...", flush=True)
-            res = run_child([*rlft_command(), "tiny-model", str(folder), "--size", size, "--seed", str(SEED)],
-                            work / "logs" / f"build-{size}.log", threads)
-            if res["rc"] != 0:
-                raise SystemExit(f"building the {size} model failed:\n{tail(res['log'])}")
-        out[size] = folder
-    return out
-
-
-def model_shapes(folder: Path) -> dict:
-    cfg = json.loads((folder / "config.json").read_text())
-    d, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    kv = d // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
-    # q, k, v (with bias in Qwen2), o, gate/up/down, two RMSNorms per layer; final norm.
-    per_layer = (d * d + d) + 2 * (d * kv + kv) + d * d + 3 * d * inter + 2 * d
-    body = layers * per_layer + d
-    head = d * cfg["vocab_size"]  # tied with the embedding, but its matmul runs for every scored position
-    return {"hidden": d, "intermediate": inter, "layers": layers, "vocab": cfg["vocab_size"],
-            "body_params": body, "lm_head_params": head, "total_params": body + head}
-
-
-# ---------------------------------------------------------------------------------------------
-# The two frameworks
-
-
-def run_rlft(name: str, wl: dict, model_dir: Path, args, work: Path) -> dict:
-    out_dir = work / "runs" / f"{name}-rlft"
-    shutil.rmtree(out_dir, ignore_errors=True)  # an existing run dir would be resumed, not restarted
-    config = {
-        "method": "grpo",
-        "output_dir": rel(out_dir),
-        "seed": SEED,
-        "model": {"path": rel(model_dir), "device": "cpu", "dtype": "fp32"},
-        "lora": {"enabled": wl["lora"], **LORA, "target_modules": "all-linear"},
-        "data": {"train": rel(HERE / "prompts.jsonl")},
-        "training": {"learning_rate": LEARNING_RATE, "lr_scheduler": "cosine", "warmup_ratio": 0.0,
-                     "max_grad_norm": 1.0, "max_steps": args.steps, "num_threads": args.threads},
-        "rollout": {"group_size": GROUP_SIZE, "prompts_per_step": PROMPTS_PER_STEP, "temperature": TEMPERATURE,
-                    "top_p": 1.0, "top_k": 0, "max_new_tokens": wl["max_new_tokens"]},
-        "algorithm": {"kl_coef": KL_COEF},
-        "rewards": [{"fn": "benchmarks/rewards.py:digit_share"}],
-        "logging": {"progress": False},
-    }
-    cfg_path = work / "configs" / f"{name}-rlft.yaml"
-    cfg_path.parent.mkdir(parents=True, exist_ok=True)
-    cfg_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    res = run_child([*rlft_command(), "train", rel(cfg_path)], work / "logs" / f"{name}-rlft.log", args.threads)
-    res["config"] = rel(cfg_path)
-    metrics = out_dir / "metrics.jsonl"
-    if res["rc"] == 0 and metrics.is_file():
-        rows = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
-        res["steps"] = [{"step": r["step"], "time": r["time/step"], "completion_tokens": r["completion/tokens"],
-                         "reward_mean": r.get("reward/mean"), "kl": r.get("kl"), "entropy": r.get("entropy"),
-                         "time_generate": r.get("time/generate"), "time_train": r.get("time/train")}
-                        for r in rows if "time/step" in r]
-    return res
-
-
-def run_trl(name: str, wl: dict, model_dir: Path, args, work: Path) -> dict:
-    out_dir = work / "runs" / f"{name}-trl"
-    shutil.rmtree(out_dir, ignore_errors=True)
-    spec = {"model_dir": rel(model_dir), "prompts": rel(HERE / "prompts.jsonl"), "output_dir": rel(out_dir),
-            "lora": LORA if wl["lora"] else None, "max_new_tokens": wl["max_new_tokens"], "steps": args.steps,
-            "group_size": GROUP_SIZE, "prompts_per_step": PROMPTS_PER_STEP, "temperature": TEMPERATURE,
-            "kl_coef": KL_COEF, "learning_rate": LEARNING_RATE, "seed": SEED, "threads": args.threads,
-            "result": rel(work / "results" / f"{name}-trl.json")}
-    spec_path = work / "configs" / f"{name}-trl.json"
-    spec_path.parent.mkdir(parents=True, exist_ok=True)
-    (work / "results").mkdir(parents=True, exist_ok=True)
-    spec_path.write_text(json.dumps(spec, indent=1))
-    result_path = ROOT / spec["result"]
-    result_path.unlink(missing_ok=True)
-    res = run_child([sys.executable, rel(HERE / "trl_worker.py"), rel(spec_path)],
-                    work / "logs" / f"{name}-trl.log", args.threads)
-    res["config"] = rel(spec_path)
-    if res["rc"] == 0 and result_path.is_file():
-        res.update(json.loads(result_path.read_text()))
-    return res
-
-
-def summarise(res: dict, first: int) -> dict:
-    steps = res.get("steps") or []
-    measured = [s for s in steps if s["step"] >= first]
-    if res["rc"] != 0 or not measured:
-        return {"ok": False}
-    times = [s["time"] for s in measured]
-    tokens = [s["completion_tokens"] for s in measured if s["completion_tokens"] is not None]
-    last = steps[-1]
-    gen = [s.get("time_generate") for s in measured]
-    split = {}
-    if all(g is not None for g in gen):  # sampling vs everything else (reward, reference, update)
-        split = {"generate_s_per_step": statistics.median(gen),
-                 "rest_s_per_step": statistics.median(t - g for t, g in zip(times, gen))}
-    return {"ok": True, "s_per_step": statistics.median(times), **split,
-            "tokens_per_s": sum(tokens) / sum(times) if len(tokens) == len(times) else None,
-            "completion_tokens_per_step": statistics.mean(tokens) if tokens else None,
-            "final_reward_mean": last["reward_mean"], "steps_done": len(steps)}
+QUICK_WORKLOADS = ["tiny-full", "tiny-lora", "tiny-lora-defaults"]
+DEFAULT_WORKLOADS = ["tiny-full", "tiny-lora", "large-full", "tiny-lora-defaults", "large-full-defaults", "big-vocab"]
+# Targets of issue 15, each a ratio within one run: (workload, quantity, bound)
+TARGETS = [("large-full-defaults", "speedup", 1.5), ("big-vocab", "speedup", 1.5), ("big-vocab", "rss_ratio", 0.6)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,20 +143,29 @@ def fmt(x, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def print_table(workloads: list[dict], generation: list[dict], bound: dict | None, first: int, last: int) -> None:
-    head = f"{'workload':<11} {'framework':<6} {'s/step':>8} {'(sample':>8} {'+ rest)':>8} {'gen tok/s':>10} " \
-           f"{'peak RSS MB':>12} {'final reward':>13} {'speedup':>8}"
-    print(f"\nGRPO step time, median over steps {first}-{last} (speedup = TRL s/step / rlft s/step; sample = "
-          "time in generation, rest = reward + reference + update, medians each)")
+def print_table(workloads: list[dict], generation: list[dict], bound: dict | None) -> None:
+    head = f"{'workload':<20} {'framework':<6} {'precision':<9} {'s/step':>8} {'(sample':>8} {'+ rest)':>8} " \
+           f"{'gen tok/s':>10} {'peak RSS MB':>12} {'final reward':>13} {'speedup':>8}"
+    print("\nGRPO step time, median over the measured steps (speedup = TRL s/step / rlft s/step; sample = time in "
+          "generation, rest = reward + reference + update, medians each; * = stopped by --time-limit)")
     print(head)
     print("-" * len(head))
     for w in workloads:
         for fw in ("rlft", "trl"):
             s = w[fw]
             speed = fmt(w["speedup"], ".2f") + "x" if fw == "rlft" and w["speedup"] else ""
-            print(f"{w['name']:<11} {fw:<6} {fmt(s.get('s_per_step')):>8} {fmt(s.get('generate_s_per_step')):>8} "
-                  f"{fmt(s.get('rest_s_per_step')):>8} {fmt(s.get('tokens_per_s'), '.1f'):>10} "
-                  f"{fmt(s.get('peak_rss_mb'), '.0f'):>12} {fmt(s.get('final_reward_mean'), '.3f'):>13} {speed:>8}")
+            if fw == "rlft" and not w["speedup"] and w.get("speedup_lower_bound"):
+                speed = f">{w['speedup_lower_bound']:.1f}x"
+            prec = "defaults" if w["defaults"] else "fp32"
+            steps = ""
+            if not s.get("ok"):
+                steps = (f"  (no step finished in {s.get('wall_s', 0):.0f} s)" if s.get("time_limited") else
+                         f"  (FAILED: exit {s.get('rc')} after {s.get('steps_done', 0)} steps, {s.get('log')})")
+            mark = "*" if s.get("partial") else ""
+            print(f"{w['name']:<20} {fw:<6} {prec:<9} {fmt(s.get('s_per_step')) + mark:>8} "
+                  f"{fmt(s.get('generate_s_per_step')):>8} {fmt(s.get('rest_s_per_step')):>8} "
+                  f"{fmt(s.get('tokens_per_s'), '.1f'):>10} {fmt(s.get('peak_rss_mb'), '.0f'):>12} "
+                  f"{fmt(s.get('final_reward_mean'), '.3f'):>13} {speed:>8}{steps}")
     if generation:
         print("\nGeneration, same batch (4 prompts x 8 samples), tokens/s")
         print(f"{'model':<7} {'new tok':>7} {'rlft engine':>12} {'model.generate':>15} {'ratio':>7}")
@@ -306,133 +180,204 @@ def print_table(workloads: list[dict], generation: list[dict], bound: dict | Non
               f"{fmt(bound.get('rlft_over_shape_aware_bound'), '.1f')}x)")
 
 
+def target_lines(workloads: list[dict]) -> list[dict]:
+    """Issue 15's targets against this run's ratios."""
+    by_name = {w["name"]: w for w in workloads}
+    out = []
+    for name, quantity, bound in TARGETS:
+        w = by_name.get(name)
+        if w is None:
+            continue
+        if quantity == "speedup":
+            value = w["speedup"] or w.get("speedup_lower_bound")
+            met = value is not None and value >= bound
+            text = f"{name}: rlft {fmt(value, '.2f')}x TRL s/step (target >= {bound}x)"
+            if not w["speedup"] and value is not None:
+                text += " (lower bound: TRL did not finish a step)"
+        else:
+            r, t = w["rlft"].get("peak_rss_mb"), w["trl"].get("peak_rss_mb")
+            value = r / t if r and t else None
+            met = value is not None and value <= bound
+            text = f"{name}: rlft peak RSS {fmt(value, '.2f')}x TRL's (target <= {bound}x)"
+        out.append({"workload": name, "quantity": quantity, "value": value, "bound": bound, "met": met,
+                    "text": text})
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
+
+
+def run_workload(i: int, name: str, models: dict, shapes: dict, args, work: Path) -> dict:
+    wl = WORKLOADS[name]
+    steps = args.steps or wl.get("steps") or (6 if args.quick else 20)
+    first = first_measured(steps)
+    order = ["rlft", "trl"] if i % 2 == 0 else ["trl", "rlft"]
+    runs = {}
+    for fw in order:
+        print(f"[{name}] {fw}: {steps} steps ...", flush=True)
+        runner = run_rlft if fw == "rlft" else run_trl
+        runs[fw] = runner(name, wl, models[wl["model"]], args, work, steps)
+        s = summarise(runs[fw], first)
+        if s["ok"]:
+            note = " (stopped by the time limit)" if s["partial"] else ""
+            print(f"[{name}] {fw}: {s['s_per_step']:.3f} s/step, peak RSS {runs[fw]['peak_rss_mb']:.0f} MB, "
+                  f"wall {runs[fw]['wall_s']:.0f} s{note}", flush=True)
+        else:
+            print(f"[{name}] {fw} FAILED (exit {runs[fw]['rc']}, {s['steps_done']} steps), log {runs[fw]['log']}:\n"
+                  f"{tail(runs[fw]['log'])}", flush=True)
+    entry = {"name": name, "model": wl["model"], "params": shapes[wl["model"]]["total_params"],
+             "vocab": shapes[wl["model"]]["vocab"], "lora": wl["lora"], "defaults": bool(wl.get("defaults")),
+             "max_new_tokens": wl["max_new_tokens"], "steps": steps, "measured_from": first, "order": order}
+    for fw in ("rlft", "trl"):
+        s = summarise(runs[fw], first)
+        entry[fw] = {**s, "peak_rss_mb": runs[fw]["peak_rss_mb"], "wall_s": runs[fw]["wall_s"],
+                     "rc": runs[fw]["rc"], "time_limited": runs[fw]["time_limited"], "log": runs[fw]["log"],
+                     "config": runs[fw].get("config"), "precision": runs[fw].get("precision"),
+                     "step_times": [st["time"] for st in runs[fw].get("steps") or []],
+                     "steps_detail": runs[fw].get("steps") or []}
+        for key in ("torch_threads", "trainable_params", "optim", "eos_token_ids", "train_wall_s", "loss_type",
+                    "beta", "activation_checkpointing", "gradient_checkpointing", "bf16", "defaults",
+                    "per_device_train_batch_size", "generation_batch_size", "steps_per_generation"):
+            if key in runs[fw]:
+                entry[fw][key] = runs[fw][key]
+    ok = entry["rlft"]["ok"] and entry["trl"]["ok"]
+    entry["speedup"] = entry["trl"]["s_per_step"] / entry["rlft"]["s_per_step"] if ok else None
+    if entry["rlft"]["ok"] and not entry["trl"]["ok"] and entry["trl"]["time_limited"]:
+        # TRL never finished a step: its step took longer than its whole run minus rlft's start-up
+        startup = max(entry["rlft"]["wall_s"] - sum(entry["rlft"]["step_times"]), 0.0)
+        entry["speedup_lower_bound"] = (entry["trl"]["wall_s"] - startup) / entry["rlft"]["s_per_step"]
+    for fw in ("rlft", "trl"):
+        for key in ("s_per_step", "peak_rss_mb", "tokens_per_s", "final_reward_mean"):
+            entry[f"{fw}_{key}"] = entry[fw].get(key)
+    return entry
+
+
+def run_probes(names: list[str], workloads: list[dict], models: dict, shapes: dict, args, work: Path):
+    generation, bound = [], None
+    sizes = sorted({WORKLOADS[n]["model"] for n in names} & {"tiny", "small"}, key=["tiny", "small"].index)
+    for size in sizes:
+        max_new = max(WORKLOADS[n]["max_new_tokens"] for n in names if WORKLOADS[n]["model"] == size)
+        print(f"[probe] generation, {size} model, {max_new} new tokens ...", flush=True)
+        g = run_probe("gen", {"model_dir": rel(models[size]), "prompts": rel(HERE / "prompts.jsonl"),
+                              "prompts_per_step": PROMPTS_PER_STEP, "group_size": GROUP_SIZE,
+                              "max_new_tokens": max_new, "threads": args.threads, "repeats": args.gen_repeats},
+                      f"gen-{size}", work, args.threads)
+        rec = {"model": size, "max_new_tokens": max_new, "ok": g["ok"]}
+        if g["ok"]:
+            rec.update({"rlft_engine_tokens_per_s": g["rlft_engine"]["tokens_per_s"],
+                        "hf_generate_tokens_per_s": g["hf_generate"]["tokens_per_s"],
+                        "rlft_vs_generate": g["rlft_vs_generate"], "prompt_tokens": g["prompt_tokens"],
+                        "detail": g})
+        generation.append(rec)
+    large = next((w for w in workloads if w["name"] == "large-full"), None)
+    if large is not None:
+        sh = shapes["small"]
+        gen_small = next((g for g in generation if g["model"] == "small" and g["ok"]), None)
+        prompt_len = gen_small["prompt_tokens"]["mean"] if gen_small else 21.0
+        rows = GROUP_SIZE * PROMPTS_PER_STEP
+        print("[probe] matmul GFLOP/s ...", flush=True)
+        matmul = run_probe("matmul", {**{k: sh[k] for k in ("hidden", "intermediate", "vocab")},
+                                      "train_rows": int(rows * (prompt_len + large["max_new_tokens"])),
+                                      "decode_rows": rows, "threads": args.threads}, "matmul", work, args.threads)
+        tokens = large["rlft"].get("completion_tokens_per_step") or rows * large["max_new_tokens"]
+        if matmul["ok"]:
+            f = step_flops(sh, rows, prompt_len, tokens)
+            best, dec = matmul["best_gflops"] * 1e9, matmul["decode_gflops"] * 1e9
+            decode_flops = (tokens - rows) * 2 * (sh["body_params"] + sh["lm_head_params"])
+            bound = {"flops": f, "total_gflop": f["total"] / 1e9, "best_gflops": matmul["best_gflops"],
+                     "decode_gflops": matmul["decode_gflops"], "bound_s": f["total"] / best,
+                     "shape_aware_bound_s": (f["total"] - decode_flops) / best + decode_flops / dec,
+                     "prompt_tokens": prompt_len, "completion_tokens_per_step": tokens, "rows": rows,
+                     "params": sh, "matmul": matmul}
+            for fw in ("rlft", "trl"):
+                s = large[fw].get("s_per_step")
+                bound[f"{fw}_s_per_step"] = s
+                bound[f"{fw}_over_bound"] = s / bound["bound_s"] if s else None
+                bound[f"{fw}_over_shape_aware_bound"] = s / bound["shape_aware_bound_s"] if s else None
+    return generation, bound
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smoke run: tiny workloads, 6 steps, no FLOP probe")
+    ap.add_argument("--quick", action="store_true", help="smoke run: tiny workloads, 6 steps, no FLOP probe; "
+                    "with --scaling a 2 x 2 scaling table")
     ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), help="subset of workloads to run")
-    ap.add_argument("--steps", type=int, help="optimizer steps per run (default 20; --quick: 6)")
+    ap.add_argument("--steps", type=int, help="optimizer steps per run (default 20, big-vocab 5; --quick: 6)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads in every process (default 2)")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="seconds before a run is stopped (its finished steps are still reported)")
+    ap.add_argument("--memory-limit-gb", type=float, default=None,
+                    help="address-space cap per run (a run that needs more fails instead of swapping or OOM-killing)")
+    ap.add_argument("--scaling", action="store_true", help="also the rlft G x length scaling table (scaling.py)")
+    ap.add_argument("--scaling-model", default="tiny", choices=["tiny", "small"])
+    ap.add_argument("--rlft-set", action="append", metavar="KEY=VALUE",
+                    help="extra rlft config value for every rlft run, e.g. training.packing=true")
     ap.add_argument("--gen-repeats", type=int, default=5, help="timed calls per engine in the generation probe")
     ap.add_argument("--no-probes", action="store_true", help="skip the generation and matmul probes")
     ap.add_argument("--work", type=Path, default=HERE / "work", help="models, configs, logs, run folders")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "grpo_vs_trl.json")
     args = ap.parse_args()
-    args.steps = args.steps or (6 if args.quick else 20)
-    names = args.workloads or (QUICK_WORKLOADS if args.quick else list(WORKLOADS))
-    first = 5 if args.steps >= 10 else min(3, args.steps)
+    names = args.workloads or (QUICK_WORKLOADS if args.quick else DEFAULT_WORKLOADS)
     work = args.work.resolve()
     load_start = os.getloadavg()
     started = time.time()
 
     models = build_models(work, {WORKLOADS[n]["model"] for n in names}, args.threads)
     shapes = {size: model_shapes(folder) for size, folder in models.items()}
-
-    workloads = []
-    for i, name in enumerate(names):
-        wl = WORKLOADS[name]
-        order = ["rlft", "trl"] if i % 2 == 0 else ["trl", "rlft"]
-        runs = {}
-        for fw in order:
-            print(f"[{name}] {fw}: {args.steps} steps ...", flush=True)
-            runner = run_rlft if fw == "rlft" else run_trl
-            runs[fw] = runner(name, wl, models[wl["model"]], args, work)
-            s = summarise(runs[fw], first)
-            if s["ok"]:
-                print(f"[{name}] {fw}: {s['s_per_step']:.3f} s/step, peak RSS {runs[fw]['peak_rss_mb']:.0f} MB, "
-                      f"wall {runs[fw]['wall_s']:.0f} s", flush=True)
-            else:
-                print(f"[{name}] {fw} FAILED (exit {runs[fw]['rc']}), log {runs[fw]['log']}:\n"
-                      f"{tail(runs[fw]['log'])}", flush=True)
-        entry = {"name": name, "model": wl["model"], "params": shapes[wl["model"]]["total_params"],
-                 "lora": wl["lora"], "max_new_tokens": wl["max_new_tokens"], "steps": args.steps,
-                 "measured_steps": [first, args.steps], "order": order}
-        for fw in ("rlft", "trl"):
-            s = summarise(runs[fw], first)
-            entry[fw] = {**s, "peak_rss_mb": runs[fw]["peak_rss_mb"], "wall_s": runs[fw]["wall_s"],
-                         "rc": runs[fw]["rc"], "log": runs[fw]["log"], "config": runs[fw].get("config"),
-                         "step_times": [st["time"] for st in runs[fw].get("steps") or []],
-                         "steps_detail": runs[fw].get("steps") or []}
-            for key in ("torch_threads", "trainable_params", "optim", "eos_token_ids", "train_wall_s", "loss_type",
-                        "beta", "activation_checkpointing", "bf16", "per_device_train_batch_size",
-                        "generation_batch_size", "steps_per_generation"):
-                if key in runs[fw]:
-                    entry[fw][key] = runs[fw][key]
-        ok = entry["rlft"]["ok"] and entry["trl"]["ok"]
-        entry["speedup"] = entry["trl"]["s_per_step"] / entry["rlft"]["s_per_step"] if ok else None
-        for fw in ("rlft", "trl"):
-            for key in ("s_per_step", "peak_rss_mb", "tokens_per_s", "final_reward_mean"):
-                entry[f"{fw}_{key}"] = entry[fw].get(key)
-        workloads.append(entry)
-
-    generation, bound, matmul = [], None, None
-    if not args.no_probes:
-        for size in sorted({WORKLOADS[n]["model"] for n in names}, key=["tiny", "small"].index):
-            max_new = max(WORKLOADS[n]["max_new_tokens"] for n in names if WORKLOADS[n]["model"] == size)
-            print(f"[probe] generation, {size} model, {max_new} new tokens ...", flush=True)
-            g = run_probe("gen", {"model_dir": rel(models[size]), "prompts": rel(HERE / "prompts.jsonl"),
-                                  "prompts_per_step": PROMPTS_PER_STEP, "group_size": GROUP_SIZE,
-                                  "max_new_tokens": max_new, "threads": args.threads, "repeats": args.gen_repeats},
-                          f"gen-{size}", work, args.threads)
-            rec = {"model": size, "max_new_tokens": max_new, "ok": g["ok"]}
-            if g["ok"]:
-                rec.update({"rlft_engine_tokens_per_s": g["rlft_engine"]["tokens_per_s"],
-                            "hf_generate_tokens_per_s": g["hf_generate"]["tokens_per_s"],
-                            "rlft_vs_generate": g["rlft_vs_generate"], "prompt_tokens": g["prompt_tokens"],
-                            "detail": g})
-            generation.append(rec)
-        large = next((w for w in workloads if w["name"] == "large-full"), None)
-        if large is not None:
-            sh = shapes["small"]
-            gen_small = next((g for g in generation if g["model"] == "small" and g["ok"]), None)
-            prompt_len = gen_small["prompt_tokens"]["mean"] if gen_small else 21.0
-            rows = GROUP_SIZE * PROMPTS_PER_STEP
-            print("[probe] matmul GFLOP/s ...", flush=True)
-            matmul = run_probe("matmul", {**{k: sh[k] for k in ("hidden", "intermediate", "vocab")},
-                                          "train_rows": int(rows * (prompt_len + large["max_new_tokens"])),
-                                          "decode_rows": rows, "threads": args.threads}, "matmul", work, args.threads)
-            tokens = large["rlft"].get("completion_tokens_per_step") or rows * large["max_new_tokens"]
-            if matmul["ok"]:
-                f = step_flops(sh, rows, prompt_len, tokens)
-                best, dec = matmul["best_gflops"] * 1e9, matmul["decode_gflops"] * 1e9
-                decode_flops = (tokens - rows) * 2 * (sh["body_params"] + sh["lm_head_params"])
-                bound = {"flops": f, "total_gflop": f["total"] / 1e9, "best_gflops": matmul["best_gflops"],
-                         "decode_gflops": matmul["decode_gflops"], "bound_s": f["total"] / best,
-                         "shape_aware_bound_s": (f["total"] - decode_flops) / best + decode_flops / dec,
-                         "prompt_tokens": prompt_len, "completion_tokens_per_step": tokens, "rows": rows,
-                         "params": sh, "matmul": matmul}
-                for fw in ("rlft", "trl"):
-                    s = large[fw].get("s_per_step")
-                    bound[f"{fw}_s_per_step"] = s
-                    bound[f"{fw}_over_bound"] = s / bound["bound_s"] if s else None
-                    bound[f"{fw}_over_shape_aware_bound"] = s / bound["shape_aware_bound_s"] if s else None
+    workloads = [run_workload(i, name, models, shapes, args, work) for i, name in enumerate(names)]
+    generation, bound = ([], None) if args.no_probes else run_probes(names, workloads, models, shapes, args, work)
+    scaling = None
+    if args.scaling:
+        groups, lengths, steps = ([4, 8], [32, 64], 3) if args.quick else ([4, 8, 16], [64, 128, 256], 5)
+        scaling = run_scaling(args.scaling_model, groups, lengths, steps, args, work)
+    targets = target_lines(workloads)
 
     result = {
         "workloads": workloads,
+        "targets": targets,
+        "scaling": scaling,
         "generation": generation,
         "flop_bound": bound,
         "versions": versions(args.threads),
         "settings": {
             "group_size": GROUP_SIZE, "prompts_per_step": PROMPTS_PER_STEP, "temperature": TEMPERATURE,
             "kl_coef": KL_COEF, "learning_rate": LEARNING_RATE, "lr_scheduler": "cosine, no warmup", "seed": SEED,
-            "steps": args.steps, "measured_steps": [first, args.steps], "threads": args.threads, "lora": LORA,
-            "quick": args.quick, "step_time": "rollout + reward + reference + update + optimizer step "
-                                             "(rlft time/step; TRL on_step_begin->on_step_end)"},
+            "steps": args.steps, "threads": args.threads, "lora": LORA, "quick": args.quick,
+            "time_limit_s": args.time_limit, "memory_limit_gb": args.memory_limit_gb, "rlft_set": args.rlft_set,
+            "cpu_capability": cpu_capability(),
+            "step_time": "rollout + reward + reference + update + optimizer step "
+                         "(rlft time/step; TRL on_step_begin->on_step_end)"},
         "machine_load": {"loadavg_start": load_start, "loadavg_end": os.getloadavg()},
         "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
         "wall_s": time.time() - started,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    print_table(workloads, generation, bound, first, args.steps)
-    print(f"\nwrote {rel(args.out)} (load average {load_start[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end)")
-    failed = [f"{w['name']}/{fw}" for w in workloads for fw in ("rlft", "trl") if not w[fw]["ok"]]
+    print_table(workloads, generation, bound)
+    if scaling:
+        print_scaling(scaling)
+    if targets:
+        print("\nTargets (issue 15):")
+        for t in targets:
+            print(f"  [{'met' if t['met'] else 'MISSED'}] {t['text']}")
+    print(f"\nwrote {rel(args.out)} (load average {load_start[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end; "
+          f"CPU capability {cpu_capability()})")
+    failed = [f"{w['name']}/{fw}" for w in workloads for fw in ("rlft", "trl")
+              if not w[fw]["ok"] and not w[fw]["time_limited"]]
     if failed:
         print(f"FAILED: {', '.join(failed)}")
         return 1
     return 0
+
+
+def cpu_capability() -> str | None:
+    """torch's CPU kernel level (AVX2, AVX512, AMX...): bf16 autocast is fast only with bf16 units."""
+    try:
+        import torch
+
+        return torch.backends.cpu.get_cpu_capability()
+    except Exception:  # noqa: BLE001 - informational only
+        return None
 
 
 if __name__ == "__main__":

@@ -3,10 +3,16 @@
     python benchmarks/trl_worker.py SPEC.json
 
 SPEC holds the workload (model folder, prompts file, LoRA on/off, max new tokens, steps, learning
-rate, seed, threads) and where to write the result. The result JSON has, per optimizer step, the
-wall time from `on_step_begin` to `on_step_end` (generation + reward + reference forward + policy
-forward/backward + clip + optimizer step: the same span as rlft's `time/step`), the completion
-tokens and the reward mean TRL logged for that step.
+rate, seed, threads, `defaults`) and where to write the result. The result JSON has, per optimizer
+step, the wall time from `on_step_begin` to `on_step_end` (generation + reward + reference forward +
+policy forward/backward + clip + optimizer step: the same span as rlft's `time/step`), the
+completion tokens and the reward mean TRL logged for that step. Each step is also appended to
+SPEC's `steps_log` (JSON lines) as it ends, so a run stopped by the harness's time limit still
+reports the steps it finished.
+
+`defaults: true` leaves TRL's precision and memory settings at their defaults (GRPOConfig:
+`bf16=True`, i.e. autocast mixed precision with float32 weights, and `gradient_checkpointing=True`);
+otherwise both are off, for the identical-float32 comparison.
 """
 
 from __future__ import annotations
@@ -44,6 +50,14 @@ def check_prompt_ids(tokenizer, rows: list[dict], model_dir: str) -> None:
             raise SystemExit(f"prompt tokens differ between TRL and rlft for {m!r}")
 
 
+def step_record(step: int, seconds: float, generate_s: float, h: dict, n_completions: int) -> dict:
+    mean_len = h.get("completions/mean_length")
+    return {"step": step, "time": seconds, "time_generate": generate_s,
+            "completion_tokens": None if mean_len is None else mean_len * n_completions,
+            "reward_mean": h.get("reward"), "kl": h.get("kl"), "entropy": h.get("entropy"),
+            "clipped_ratio": h.get("completions/clipped_ratio"), "trl_step_time": h.get("step_time")}
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     threads = int(spec["threads"])
@@ -61,12 +75,15 @@ def main() -> None:
     rows = load_prompts(spec["prompts"])
     check_prompt_ids(tokenizer, rows, model_dir)
 
+    # float32 weights in both modes: TRL's own loader defaults to float32 too (bf16=True is autocast)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     # Both stop on the checkpoint's EOS set: rlft stops on the template's end-of-turn token plus the
     # generation_config's eos ids (<|im_end|>, <|endoftext|>), which TRL reads from the same file.
     model.generation_config.pad_token_id = tokenizer.pad_token_id
 
     g, ppstep = int(spec["group_size"]), int(spec["prompts_per_step"])
+    # identical float32 work, or TRL's defaults (bf16 autocast + activation checkpointing)
+    precision = {} if spec.get("defaults") else {"bf16": False, "fp16": False, "gradient_checkpointing": False}
     args = GRPOConfig(
         output_dir=spec["output_dir"],
         # One optimizer step = one generation batch of 4 prompts x 8 completions, one forward/backward.
@@ -89,8 +106,8 @@ def main() -> None:
         max_grad_norm=1.0,
         max_steps=int(spec["steps"]),
         seed=int(spec["seed"]),
-        use_cpu=True, bf16=False, fp16=False,
-        gradient_checkpointing=False,  # TRL defaults to True; rlft's default is off
+        use_cpu=True,
+        **precision,
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
         dataloader_num_workers=0,
     )
@@ -119,6 +136,13 @@ def main() -> None:
             self.times.append(time.perf_counter() - self._t0)
             self.generate_times.append(self.generate_s)
 
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            # TRL logs a step's metrics right after on_step_end: append that step as it finishes
+            if logs and "reward" in logs and spec.get("steps_log") and self.times:
+                with open(spec["steps_log"], "a") as fh:
+                    fh.write(json.dumps(step_record(len(self.times), self.times[-1], self.generate_times[-1],
+                                                    logs, g * ppstep)) + "\n")
+
     timer = StepTimer()
     trainer = GRPOTrainer(model=model, reward_funcs=[trl_digit_share], args=args,
                           train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
@@ -140,23 +164,15 @@ def main() -> None:
     train_wall = time.perf_counter() - start
 
     logs = {int(h["step"]): h for h in trainer.state.log_history if "reward" in h}
-    n_completions = g * ppstep
-    steps = []
-    for i, t in enumerate(timer.times, start=1):
-        h = logs.get(i, {})
-        mean_len = h.get("completions/mean_length")
-        steps.append({
-            "step": i, "time": t, "time_generate": timer.generate_times[i - 1],
-            "completion_tokens": None if mean_len is None else mean_len * n_completions,
-            "reward_mean": h.get("reward"), "kl": h.get("kl"), "entropy": h.get("entropy"),
-            "clipped_ratio": h.get("completions/clipped_ratio"), "trl_step_time": h.get("step_time"),
-        })
+    steps = [step_record(i, t, timer.generate_times[i - 1], logs.get(i, {}), g * ppstep)
+             for i, t in enumerate(timer.times, start=1)]
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     result = {"framework": "trl", "steps": steps, "train_wall_s": train_wall, "torch_threads": timer.threads,
               "trainable_params": trainable, "optim": str(args.optim),
               "eos_token_ids": list(trainer.eos_token_ids), "loss_type": args.loss_type, "beta": args.beta,
               "activation_checkpointing": bool(getattr(args, "activation_checkpointing", args.gradient_checkpointing)),
-              "bf16": bool(args.bf16), "per_device_train_batch_size": args.per_device_train_batch_size,
+              "bf16": bool(args.bf16), "gradient_checkpointing": bool(args.gradient_checkpointing),
+              "defaults": bool(spec.get("defaults")), "per_device_train_batch_size": args.per_device_train_batch_size,
               "generation_batch_size": args.generation_batch_size, "steps_per_generation": args.steps_per_generation}
     Path(spec["result"]).write_text(json.dumps(result, indent=1))
 

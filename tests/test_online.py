@@ -156,7 +156,9 @@ def test_micro_batches_give_the_same_gradient(setup):
     for full, split in zip(grads[:3], grads[3:]):
         assert full.keys() == split.keys() and full
         for name in full:
-            torch.testing.assert_close(split[name], full[name], rtol=1e-5, atol=1e-8)
+            # relative to the tensor's scale: the micro-batches sum ~300 tokens in another float32 order
+            scale = float(full[name].abs().max())
+            torch.testing.assert_close(split[name], full[name], rtol=1e-5, atol=1e-6 * scale)
 
 
 def test_mu_epochs_and_minibatches(setup):

@@ -97,6 +97,10 @@ class TrainingConfig(Section):
                             "compute (fp16 with loss scaling, CUDA only); bf16: bf16 weights and compute. auto: "
                             "bf16-mixed where the hardware computes in bf16 (CUDA with bf16, CPU with AMX / "
                             "AVX512-BF16), else fp32; the run prints which and why.")
+    packing: bool = Field(
+        True, description="Padding-free training forwards: a micro-batch's rows packed end to end with position ids "
+                          "restarting at 0 (same losses and gradients as padded, to float32 rounding). Used where a "
+                          "first-use probe confirms the model keeps packed rows apart; else the padded forward.")
     learning_rate: float | None = Field(
         None, gt=0, description="Peak learning rate (AdamW); unset: the method's default.")
     lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")

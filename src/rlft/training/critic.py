@@ -242,7 +242,7 @@ class SharedValueHead:
 
     def _hidden(self, sub: RolloutBatch) -> Tensor:
         _, _, hidden = completion_logprobs(self._policy_model, sub.input_ids, sub.attention_mask, sub.completion_len,
-                                           hidden=True)
+                                           hidden=True, packing=self.targets.settings.packing)
         return hidden  # [n, t, H]
 
     def _values(self, hidden: Tensor) -> Tensor:

@@ -25,23 +25,20 @@ from rlft.algorithms.preference_losses import LOGP_REDUCTION, PREFERENCE_LOSSES
 from rlft.config import DataConfig, DpoConfig
 from rlft.data.mixing import TrainRows
 from rlft.data.pairs import PreferenceExample, collate_pairs, load_preference_splits
-from rlft.models.forward import forward_logits, selected_logprobs
+from rlft.models.forward import token_outputs
 from rlft.models.loading import LoadedModel, Reference, disable_dropout
 
 
-def sequence_logprobs(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logprobs(model: Any, batch: dict[str, torch.Tensor],
+                      packing: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed log-prob of each row's target tokens, their count)  # [N], [N]
 
-    Logits are kept only from the first target position of the batch on: prompt positions would
-    cost a [N, T_prompt, V] tensor for nothing.
-    """
-    input_ids, target_mask = batch["input_ids"], batch["target_mask"]  # [N, T]
-    first = max(1, int(target_mask.float().argmax(-1).min()))  # targets are predicted from t - 1
-    keep = input_ids.shape[1] - first + 1
-    logits = forward_logits(model, input_ids, batch["attention_mask"], keep=keep)[:, :-1]  # [N, T - first, V]
-    token_logps = selected_logprobs(logits, input_ids[:, first:])  # [N, T - first]
-    mask = target_mask[:, first:].to(token_logps.dtype)
-    return (token_logps * mask).sum(-1), mask.sum(-1)
+    Only the positions that predict target tokens reach the LM head (`token_outputs`); `packing`
+    runs the decoder padding-free."""
+    target_mask = batch["target_mask"]  # [N, T]
+    token_logps = token_outputs(model, batch["input_ids"], batch["attention_mask"], target_mask,
+                                packing=packing).logprobs  # [N, T], 0 off the targets
+    return token_logps.sum(-1), target_mask[:, 1:].sum(-1).to(token_logps.dtype)
 
 
 class DpoObjective:
@@ -49,10 +46,11 @@ class DpoObjective:
     progress_keys = ["loss", "lr", "grad_norm", "rewards/accuracy", "rewards/margin",
                      "eval/rewards/accuracy", "eval/rewards/margin"]
 
-    def __init__(self, data: DataConfig, dpo: DpoConfig, chunk: int, seed: int = 0):
-        """`chunk`: pairs per forward outside training (reference scoring, evaluation)."""
+    def __init__(self, data: DataConfig, dpo: DpoConfig, chunk: int, seed: int = 0, packing: bool = False):
+        """`chunk`: pairs per forward outside training (reference scoring, evaluation); `packing`:
+        padding-free forwards."""
         self.seed = seed
-        self.data, self.dpo, self.chunk = data, dpo, chunk
+        self.data, self.dpo, self.chunk, self.packing = data, dpo, chunk, packing
         self.loss_fn = PREFERENCE_LOSSES[dpo.loss]
         self.mean_logps = LOGP_REDUCTION[dpo.loss] == "mean"
         self.pad_id = 0
@@ -77,7 +75,7 @@ class DpoObjective:
 
     def _answer_logps(self, model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(answer log-prob as the loss wants it: summed or per-token mean, answer tokens)  # [2B], [2B]"""
-        logps, counts = sequence_logprobs(model, batch)
+        logps, counts = sequence_logprobs(model, batch, self.packing)
         return (logps / counts if self.mean_logps else logps), counts
 
     @torch.no_grad()

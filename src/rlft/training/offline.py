@@ -52,15 +52,17 @@ def make_objective(config: Config) -> OfflineObjective:
     if config.method == "sft":
         from rlft.training.sft_objective import SftObjective
 
-        return SftObjective(config.data, config.eval, config.rewards, config.seed, config.scoring)
+        return SftObjective(config.data, config.eval, config.rewards, config.seed, config.scoring,
+                            packing=config.training.packing)
     if config.method == "dpo":
         from rlft.training.dpo_objective import DpoObjective
 
-        return DpoObjective(config.data, config.dpo, chunk, config.seed)
+        return DpoObjective(config.data, config.dpo, chunk, config.seed, packing=config.training.packing)
     if config.method == "reward_model":
         from rlft.training.rm_objective import RewardModelObjective
 
-        return RewardModelObjective(config.data, config.reward_model, chunk, config.seed)
+        return RewardModelObjective(config.data, config.reward_model, chunk, config.seed,
+                                    packing=config.training.packing)
     raise ValueError(f"{config.method!r} is not an offline method")
 
 

@@ -184,7 +184,7 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
     ref_lp = kl_tok = None
     if reference is not None:
         with session.autocast():
-            ref_lp = reference_logprobs(reference, batch, s.temperature, s.micro_batch_size, world)
+            ref_lp = reference_logprobs(reference, batch, s.temperature, s.micro_batch_size, world, s.packing)
         kl_tok = KL_ESTIMATORS[s.kl_estimator](batch.sampling_logprobs, ref_lp)  # [N, T]
         kl_sum, tokens = world.sum([float((kl_tok * batch.completion_mask).sum()), float(batch.completion_mask.sum())])
         metrics["kl"] = kl_sum / max(tokens, 1.0)

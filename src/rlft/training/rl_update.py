@@ -52,6 +52,7 @@ class UpdateSettings:
     mask_truncated: bool
     rollout_correction: str = "none"
     tis_cap: float = 2.0
+    packing: bool = False  # padding-free policy/reference forwards (same numbers as padded)
 
     @classmethod
     def from_config(cls, config: Config) -> "UpdateSettings":
@@ -61,7 +62,8 @@ class UpdateSettings:
                    dual_clip=a.dual_clip, kl_estimator=a.kl_estimator, kl_in_loss=a.kl_in == "loss",
                    entropy_coef=a.entropy_coef, loss_agg=a.loss_agg, loss_constant=a.loss_constant,
                    epochs=a.epochs, minibatches=a.minibatches, micro_batch_size=a.micro_batch_size,
-                   mask_truncated=a.mask_truncated, rollout_correction=a.rollout_correction, tis_cap=a.tis_cap)
+                   mask_truncated=a.mask_truncated, rollout_correction=a.rollout_correction, tis_cap=a.tis_cap,
+                   packing=config.training.packing)
 
     @property
     def single_pass(self) -> bool:
@@ -123,21 +125,22 @@ def lockstep_chunks(world: World, n_rows: int, size: int | None) -> list[Tensor 
 
 @torch.no_grad()
 def batch_logprobs(model: Any, batch: RolloutBatch, temperature: float, micro: int | None,
-                   world: World = SINGLE) -> Tensor:
+                   world: World = SINGLE, packing: bool = False) -> Tensor:
     """Log-probs of every completion token under `model`, in micro-batches, no gradient  # [N, T]"""
     out = torch.zeros_like(batch.sampling_logprobs)
     for rows in lockstep_chunks(world, batch.size, micro):
         sub = batch.select(rows if rows is not None else torch.arange(1))
-        lp, _ = completion_logprobs(model, sub.input_ids, sub.attention_mask, sub.completion_len, temperature)
+        lp, _ = completion_logprobs(model, sub.input_ids, sub.attention_mask, sub.completion_len, temperature,
+                                    packing=packing)
         if rows is not None:
             out[rows.to(out.device), : sub.completion_len] = lp
     return out
 
 
 def reference_logprobs(reference: Reference, batch: RolloutBatch, temperature: float, micro: int | None,
-                       world: World = SINGLE) -> Tensor:
+                       world: World = SINGLE, packing: bool = False) -> Tensor:
     with reference.model() as ref_model:
-        return batch_logprobs(ref_model, batch, temperature, micro, world)
+        return batch_logprobs(ref_model, batch, temperature, micro, world, packing)
 
 
 def engine_mismatch(trainer_lp: Tensor, engine_lp: Tensor, mask: Tensor) -> dict[str, float]:
@@ -171,7 +174,7 @@ def policy_update(trainer: Trainer, batch: RolloutBatch, advantages: Tensor, ref
     old_logprobs = None
     if not s.single_pass and world.any(bool(carries_signal.any())):
         with trainer.autocast():
-            old_logprobs = batch_logprobs(model, batch, s.temperature, s.micro_batch_size, world)
+            old_logprobs = batch_logprobs(model, batch, s.temperature, s.micro_batch_size, world, s.packing)
         stats.add(engine_mismatch(old_logprobs, batch.sampling_logprobs, loss_mask))
     applied_steps = 0
     for _ in range(s.epochs):
@@ -223,7 +226,8 @@ def _micro_loss(model: Any, sub: RolloutBatch, rows: Tensor, mask: Tensor, advan
     t = sub.completion_len
     want_hidden = extra is not None and extra.needs_hidden
     out = completion_logprobs(model, sub.input_ids, sub.attention_mask, t, s.temperature,
-                              entropy="grad" if s.entropy_coef > 0 else "metric", hidden=want_hidden)
+                              entropy="grad" if s.entropy_coef > 0 else "metric", hidden=want_hidden,
+                              packing=s.packing)
     logprobs, entropy = out[0], out[1]  # [n, t]
     metrics: dict[str, float] = {}
     if old is None:  # single pass: this forward is pi_old, and the first look at the engine's numbers

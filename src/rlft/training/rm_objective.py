@@ -22,12 +22,17 @@ from rlft.algorithms.preference_losses import bradley_terry
 from rlft.config import DataConfig, RewardModelConfig
 from rlft.data.mixing import TrainRows
 from rlft.data.pairs import PreferenceExample, collate_pairs, load_preference_splits
+from rlft.models.forward import packed_sequence_scores
 from rlft.models.loading import LoadedModel, load_reward_model
 
 
-def pair_scores(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Scalar score of every row of a right-padded batch  # [N]"""
-    scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+def pair_scores(model: Any, batch: dict[str, torch.Tensor], packing: bool = False) -> torch.Tensor:
+    """Scalar score of every row of a right-padded batch  # [N]; `packing`: padding-free forward."""
+    packed = packed_sequence_scores(model, batch["input_ids"], batch["attention_mask"]) if packing else None
+    if packed is not None:
+        scores = packed[:, 0]
+    else:
+        scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
     return scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
 
 
@@ -36,10 +41,11 @@ class RewardModelObjective:
     progress_keys = ["loss", "lr", "grad_norm", "rm/accuracy", "eval/accuracy", "eval/margin"]
     load_model = staticmethod(load_reward_model)
 
-    def __init__(self, data: DataConfig, settings: RewardModelConfig, chunk: int, seed: int = 0):
-        """`chunk`: pairs per forward when evaluating."""
+    def __init__(self, data: DataConfig, settings: RewardModelConfig, chunk: int, seed: int = 0,
+                 packing: bool = False):
+        """`chunk`: pairs per forward when evaluating; `packing`: padding-free forwards."""
         self.seed = seed
-        self.data, self.chunk = data, chunk
+        self.data, self.chunk, self.packing = data, chunk, packing
         self.default_margin, self.center_coef = settings.margin, settings.center_coef
         self.pad_id = 0
 
@@ -53,7 +59,7 @@ class RewardModelObjective:
     def _scores(self, model: Any, examples: list[PreferenceExample]) -> tuple[torch.Tensor, torch.Tensor, float]:
         """(chosen scores [B], rejected scores [B], tokens in the batch)"""
         batch = {k: v.to(next(model.parameters()).device) for k, v in collate_pairs(examples, self.pad_id).items()}
-        scores = pair_scores(model, batch)  # [2B]
+        scores = pair_scores(model, batch, self.packing)  # [2B]
         n = len(examples)
         return scores[:n], scores[n:], float(batch["attention_mask"].sum())
 

@@ -27,8 +27,9 @@ _STREAM_SALT = 7919  # the SFT rows' order is not the prompts' order
 
 class SftMix:
     def __init__(self, examples: list[SftExample], coef: float, batch_size: int, seed: int, pad_id: int,
-                 world: World = SINGLE):
+                 world: World = SINGLE, packing: bool = False):
         self.examples, self.coef, self.batch_size, self.pad_id, self.world = examples, coef, batch_size, pad_id, world
+        self.packing = packing
         self.sampler = PromptSampler(len(examples), seed + _STREAM_SALT, shuffle=True)
 
     def __call__(self, model: Any) -> tuple[torch.Tensor, dict[str, float]]:
@@ -38,7 +39,7 @@ class SftMix:
         batch = collate_sft([self.examples[i] for i in rows], self.pad_id)
         device = next(model.parameters()).device
         batch = {k: v.to(device) for k, v in batch.items()}
-        nll = sft_token_nll(model, batch["input_ids"], batch["attention_mask"], batch["target_mask"])
+        nll = sft_token_nll(model, batch["input_ids"], batch["attention_mask"], batch["target_mask"], self.packing)
         tokens = self.world.sum([float(batch["target_mask"][:, 1:].sum())])[0]
         mean_nll = nll / max(tokens, 1.0)
         return self.coef * mean_nll, {"sft_mix/nll": self.world.sum([float(mean_nll.detach())])[0]}
@@ -58,4 +59,5 @@ def build_sft_mix(config: Config, tokenizer: Any, world: World = SINGLE) -> SftM
     encode = make_sft_encoder(tokenizer, end_of_turn_ids(tokenizer), d.max_length, d.max_prompt_length)
     examples = check_rows(read_rows(a.sft_mix, d.split, d.max_row_bytes), encode, a.sft_mix,
                           "algorithm.sft_mix SFT", d.on_invalid)
-    return SftMix(examples, a.sft_mix_coef, a.sft_mix_batch_size, config.seed, tokenizer.pad_token_id, world)
+    return SftMix(examples, a.sft_mix_coef, a.sft_mix_batch_size, config.seed, tokenizer.pad_token_id, world,
+                  config.training.packing)

@@ -27,8 +27,9 @@ class SftObjective:
     progress_keys = ["loss", "lr", "grad_norm", "eval/loss", "eval/format_compliance", "eval/accuracy"]
 
     def __init__(self, data: DataConfig, evaluation: EvalConfig, rewards: list[RewardSpec], seed: int = 0,
-                 scoring: ScoringConfig | None = None):
-        self.data, self.evaluation, self.seed = data, evaluation, seed
+                 scoring: ScoringConfig | None = None, packing: bool = False):
+        """`packing`: padding-free forwards for the loss (same numbers)."""
+        self.data, self.evaluation, self.seed, self.packing = data, evaluation, seed, packing
         # eval accuracy needs rewards; built here so a bad reward spec fails before training
         sc = scoring or ScoringConfig()
         self.scorer = RewardScorer(rewards, sc.max_workers, timeout_s=sc.timeout_s,
@@ -59,7 +60,7 @@ class SftObjective:
         batch = collate_sft(examples, self.pad_id)
         device = next(model.parameters()).device
         batch = {k: v.to(device) for k, v in batch.items()}
-        nll = sft_token_nll(model, batch["input_ids"], batch["attention_mask"], batch["target_mask"])
+        nll = sft_token_nll(model, batch["input_ids"], batch["attention_mask"], batch["target_mask"], self.packing)
         return nll / normaliser, {"tokens": float(batch["attention_mask"].sum())}
 
     @torch.no_grad()
@@ -70,7 +71,8 @@ class SftObjective:
         for i in range(0, len(examples), 32):
             chunk = examples[i:i + 32]
             batch = {k: v.to(policy.device) for k, v in collate_sft(chunk, self.pad_id).items()}
-            total += float(sft_token_nll(model, batch["input_ids"], batch["attention_mask"], batch["target_mask"]))
+            total += float(sft_token_nll(model, batch["input_ids"], batch["attention_mask"], batch["target_mask"],
+                                         self.packing))
             count += self.normaliser(chunk)
         metrics = {"eval/loss": total / count, "eval/perplexity": math.exp(min(total / count, 50.0))}
         engine = build_engine(policy.unsharded(), self.seed, batch_size=self.evaluation.batch_size)

@@ -1,0 +1,243 @@
+"""What `grpo_vs_trl.py` and `scaling.py` share: child processes with a time limit and their peak
+RSS, the models, and one rlft or TRL GRPO run on a workload with the per-step numbers each logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+GROUP_SIZE, PROMPTS_PER_STEP = 8, 4
+TEMPERATURE, KL_COEF, LEARNING_RATE, SEED = 1.0, 0.04, 1e-5, 0
+LORA = {"r": 16, "alpha": 32, "dropout": 0.05}
+
+
+def child_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
+                "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+def run_child(cmd: list[str], log: Path, threads: int, time_limit: float | None = None,
+              memory_limit_gb: float | None = None) -> dict:
+    """Run `cmd` from the repo root; return its exit code, wall time and peak RSS (this child only).
+    Past `time_limit` seconds its process group is stopped (SIGTERM, then SIGKILL) and
+    `time_limited` is set: what it logged so far is still read by the caller. `memory_limit_gb`
+    caps the child's address space (RLIMIT_AS), so a run that needs more fails with an allocation
+    error instead of pushing a shared machine into its OOM killer."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    limited = False
+
+    def limit_memory() -> None:
+        if memory_limit_gb:
+            cap = int(memory_limit_gb * 2**30)
+            resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    with open(log, "w") as fh:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=child_env(threads),
+                                start_new_session=True, preexec_fn=limit_memory)
+        deadline = None if time_limit is None else start + time_limit
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if deadline is not None and time.perf_counter() > deadline and not limited:
+                limited = True
+                os.killpg(proc.pid, signal.SIGTERM)
+                deadline = time.perf_counter() + 15  # then SIGKILL if it has not stopped
+            elif limited and time.perf_counter() > deadline:
+                os.killpg(proc.pid, signal.SIGKILL)
+                deadline = float("inf")
+            time.sleep(0.5)
+        wall = time.perf_counter() - start
+    rc = os.waitstatus_to_exitcode(status)
+    return {"rc": rc, "wall_s": wall, "peak_rss_mb": usage.ru_maxrss / 1024, "log": rel(log),
+            "time_limited": limited}
+
+
+def rel(path: Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def tail(path: str, n: int = 25) -> str:
+    lines = (ROOT / path).read_text(errors="replace").splitlines()
+    return "\n".join("    " + ln for ln in lines[-n:])
+
+
+def rlft_command() -> list[str]:
+    script = Path(sys.executable).parent / "rlft"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "rlft.cli"]
+
+
+def rlft_training_field(name: str) -> bool:
+    """Whether this rlft's `training` section has `name` (fields added later, e.g. `precision`)."""
+    try:
+        from rlft.config import TrainingConfig
+    except ImportError:
+        return False
+    return name in TrainingConfig.model_fields
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+
+
+def build_models(work: Path, names: set[str], threads: int) -> dict[str, Path]:
+    out = {}
+    for size in sorted(names):
+        folder = work / "models" / size
+        if not (folder / "model.safetensors").is_file():
+            print(f"building the {size} model in {rel(folder)} ...", flush=True)
+            if size == "big-vocab":
+                cmd = [sys.executable, rel(HERE / "big_vocab_model.py"), str(folder), "--seed", str(SEED)]
+            else:
+                cmd = [*rlft_command(), "tiny-model", str(folder), "--size", size, "--seed", str(SEED)]
+            res = run_child(cmd, work / "logs" / f"build-{size}.log", threads)
+            if res["rc"] != 0:
+                raise SystemExit(f"building the {size} model failed:\n{tail(res['log'])}")
+        out[size] = folder
+    return out
+
+
+def model_shapes(folder: Path) -> dict:
+    cfg = json.loads((folder / "config.json").read_text())
+    d, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    kv = d // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    # q, k, v (with bias in Qwen2), o, gate/up/down, two RMSNorms per layer; final norm.
+    per_layer = (d * d + d) + 2 * (d * kv + kv) + d * d + 3 * d * inter + 2 * d
+    body = layers * per_layer + d
+    head = d * cfg["vocab_size"]  # tied with the embedding, but its matmul runs for every scored position
+    return {"hidden": d, "intermediate": inter, "layers": layers, "vocab": cfg["vocab_size"],
+            "body_params": body, "lm_head_params": head, "total_params": body + head}
+
+
+# ---------------------------------------------------------------------------------------------
+# One run of each framework
+
+
+def run_rlft(name: str, wl: dict, model_dir: Path, args, work: Path, steps: int) -> dict:
+    """`wl["defaults"]`: rlft's default precision (`training.precision: auto` where this rlft has
+    the field; float32 before it); otherwise float32 weights and, where the field exists,
+    `training.precision: fp32`, so the identical-float32 rows stay float32 on any hardware."""
+    out_dir = work / "runs" / f"{name}-rlft"
+    shutil.rmtree(out_dir, ignore_errors=True)  # an existing run dir would be resumed, not restarted
+    training = {"learning_rate": LEARNING_RATE, "lr_scheduler": "cosine", "warmup_ratio": 0.0,
+                "max_grad_norm": 1.0, "max_steps": steps, "num_threads": args.threads}
+    model = {"path": rel(model_dir), "device": "cpu"}
+    if rlft_training_field("precision"):
+        training["precision"] = "auto" if wl.get("defaults") else "fp32"
+    if not wl.get("defaults"):
+        model["dtype"] = "fp32"
+    config = {
+        "method": "grpo",
+        "output_dir": rel(out_dir),
+        "seed": SEED,
+        "model": model,
+        "lora": {"enabled": wl["lora"], **LORA, "target_modules": "all-linear"},
+        "data": {"train": rel(HERE / "prompts.jsonl")},
+        "training": training,
+        "rollout": {"group_size": wl.get("group_size", GROUP_SIZE), "prompts_per_step": PROMPTS_PER_STEP,
+                    "temperature": TEMPERATURE, "top_p": 1.0, "top_k": 0, "max_new_tokens": wl["max_new_tokens"]},
+        "algorithm": {"kl_coef": KL_COEF},
+        "rewards": [{"fn": "benchmarks/rewards.py:digit_share"}],
+        "logging": {"progress": False},
+    }
+    for item in getattr(args, "rlft_set", None) or []:  # --rlft-set training.packing=true
+        key, _, value = item.partition("=")
+        *path, leaf = key.split(".")
+        node = config
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
+    cfg_path = work / "configs" / f"{name}-rlft.yaml"
+    cfg_path.parent.mkdir(parents=True, exist_ok=True)
+    cfg_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    res = run_child([*rlft_command(), "train", rel(cfg_path)], work / "logs" / f"{name}-rlft.log", args.threads,
+                    args.time_limit, getattr(args, "memory_limit_gb", None))
+    res["config"] = rel(cfg_path)
+    res["precision"] = training.get("precision", "fp32 (no training.precision field)")
+    metrics = out_dir / "metrics.jsonl"
+    if metrics.is_file():
+        rows = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
+        res["steps"] = [{"step": r["step"], "time": r["time/step"], "completion_tokens": r["completion/tokens"],
+                         "reward_mean": r.get("reward/mean"), "kl": r.get("kl"), "entropy": r.get("entropy"),
+                         "time_generate": r.get("time/generate"), "time_train": r.get("time/train")}
+                        for r in rows if "time/step" in r]
+    return res
+
+
+def run_trl(name: str, wl: dict, model_dir: Path, args, work: Path, steps: int) -> dict:
+    out_dir = work / "runs" / f"{name}-trl"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    spec = {"model_dir": rel(model_dir), "prompts": rel(HERE / "prompts.jsonl"), "output_dir": rel(out_dir),
+            "lora": LORA if wl["lora"] else None, "max_new_tokens": wl["max_new_tokens"], "steps": steps,
+            "group_size": wl.get("group_size", GROUP_SIZE), "prompts_per_step": PROMPTS_PER_STEP,
+            "temperature": TEMPERATURE, "kl_coef": KL_COEF, "learning_rate": LEARNING_RATE, "seed": SEED,
+            "threads": args.threads, "defaults": bool(wl.get("defaults")),
+            "result": rel(work / "results" / f"{name}-trl.json"),
+            "steps_log": rel(work / "results" / f"{name}-trl-steps.jsonl")}
+    spec_path = work / "configs" / f"{name}-trl.json"
+    spec_path.parent.mkdir(parents=True, exist_ok=True)
+    (work / "results").mkdir(parents=True, exist_ok=True)
+    spec_path.write_text(json.dumps(spec, indent=1))
+    result_path, steps_log = ROOT / spec["result"], ROOT / spec["steps_log"]
+    result_path.unlink(missing_ok=True)
+    steps_log.unlink(missing_ok=True)
+    res = run_child([sys.executable, rel(HERE / "trl_worker.py"), rel(spec_path)],
+                    work / "logs" / f"{name}-trl.log", args.threads, args.time_limit,
+                    getattr(args, "memory_limit_gb", None))
+    res["config"] = rel(spec_path)
+    res["precision"] = "TRL defaults (bf16=True, gradient_checkpointing=True)" if wl.get("defaults") else "fp32"
+    if res["rc"] == 0 and result_path.is_file():
+        res.update(json.loads(result_path.read_text()))
+    elif steps_log.is_file():  # stopped early: the steps it finished
+        res["steps"] = [json.loads(ln) for ln in steps_log.read_text().splitlines() if ln.strip()]
+    return res
+
+
+def first_measured(steps: int) -> int:
+    """The first step in the medians: later steps only, the first ones pay one-time costs."""
+    return 5 if steps >= 10 else min(3, steps)
+
+
+def summarise(res: dict, first: int) -> dict:
+    """Medians over the measured steps; a time-limited run is summarised over the steps it
+    finished after the first (flagged `partial`)."""
+    steps = res.get("steps") or []
+    measured = [s for s in steps if s["step"] >= first]
+    partial = bool(res.get("time_limited"))
+    if partial and not measured:
+        measured = [s for s in steps if s["step"] >= 2] or steps
+    if (res["rc"] != 0 and not partial) or not measured:
+        return {"ok": False, "partial": partial, "steps_done": len(steps)}
+    times = [s["time"] for s in measured]
+    tokens = [s["completion_tokens"] for s in measured if s["completion_tokens"] is not None]
+    last = steps[-1]
+    gen = [s.get("time_generate") for s in measured]
+    split = {}
+    if all(g is not None for g in gen):  # sampling vs everything else (reward, reference, update)
+        split = {"generate_s_per_step": statistics.median(gen),
+                 "rest_s_per_step": statistics.median(t - g for t, g in zip(times, gen))}
+    return {"ok": True, "partial": partial, "s_per_step": statistics.median(times), **split,
+            "tokens_per_s": sum(tokens) / sum(times) if len(tokens) == len(times) else None,
+            "completion_tokens_per_step": statistics.mean(tokens) if tokens else None,
+            "final_reward_mean": last["reward_mean"], "steps_done": len(steps),
+            "measured_steps": [s["step"] for s in measured]}
