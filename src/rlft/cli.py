@@ -211,12 +211,16 @@ def demo(
     out_dir: Path = typer.Option(Path("demo-output"), "--out", help="Where data, runs and results.json go."),
     seed: int = typer.Option(0, help="Seed for data, model and training."),
     engine: str = typer.Option("hf", "--engine", help="GRPO rollout engine: hf, or vllm (needs vLLM installed)."),
+    precision: str = typer.Option("auto", "--precision", help="training.precision of both stages: auto, fp32, "
+                                                              "bf16-mixed, fp16-mixed or bf16."),
 ) -> None:
     from rlft.demo import DemoSettings, run_demo
 
     if engine not in ("hf", "vllm"):
         raise RlftError(f"--engine must be hf or vllm, got {engine!r}")
-    run_demo(out_dir, DemoSettings(seed=seed, engine=engine))
+    if precision not in ("auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16"):
+        raise RlftError(f"--precision must be auto, fp32, bf16-mixed, fp16-mixed or bf16, got {precision!r}")
+    run_demo(out_dir, DemoSettings(seed=seed, engine=engine, precision=precision))
 
 
 @app.command("config-help", help="List every config field with its default and meaning.")

@@ -40,8 +40,9 @@ class DemoSettings:
     rl_lr: float = 1e-4
     group_size: int = 8
     prompts_per_step: int = 16
-    threads: int | None = None
+    threads: int | None = 1  # a ~1M model gains nothing from intra-op threads; on a busy machine they stall
     engine: str = "hf"  # the GRPO rollout engine: hf, or vllm
+    precision: str = "auto"  # training.precision of both stages
 
 
 def _rewards() -> list[dict[str, Any]]:
@@ -61,15 +62,16 @@ def _eval_section(data: dict[str, Path]) -> dict[str, Any]:
 
 def configs(out: Path, model: Path, data: dict[str, Path], s: DemoSettings) -> dict[str, dict[str, Any]]:
     common = {"seed": s.seed, "logging": {"progress": True}, "eval": _eval_section(data), "rewards": _rewards()}
-    threads = {"num_threads": s.threads} if s.threads else {}
+    shared = {"num_threads": s.threads} if s.threads else {}
+    shared["precision"] = s.precision
     sft = {"method": "sft", "output_dir": str(out / "runs" / "sft"), "model": {"path": str(model)},
            "data": {"train": str(data["sft"])},
            "training": {"learning_rate": s.sft_lr, "batch_size": 32, "epochs": s.sft_epochs, "warmup_ratio": 0.05,
-                        **threads}, **common}
+                        **shared}, **common}
     grpo = {"method": "grpo", "output_dir": str(out / "runs" / "grpo"),
             "model": {"path": str(out / "runs" / "sft" / "final")},
             "data": {"train": str(data["rl_prompts"])},
-            "training": {"learning_rate": s.rl_lr, "max_steps": s.rl_steps, "lr_scheduler": "constant", **threads},
+            "training": {"learning_rate": s.rl_lr, "max_steps": s.rl_steps, "lr_scheduler": "constant", **shared},
             "rollout": {"group_size": s.group_size, "prompts_per_step": s.prompts_per_step, "max_new_tokens": 48,
                         "temperature": 1.0, "engine": s.engine},
             "algorithm": {"kl_coef": 0.0}, **common}
