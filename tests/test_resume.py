@@ -113,7 +113,9 @@ def kill_at_random(cfg_path: Path, run: Path, rng: random.Random, min_steps: int
     return target
 
 
-@pytest.mark.parametrize("kind,lora", [("sft", False), ("sft", True), ("grpo", False), ("grpo", True)])
+# the LoRA variants take ~30-50 s each on 2 cores: `make test-slow` (make test keeps the full ones)
+@pytest.mark.parametrize("kind,lora", [("sft", False), pytest.param("sft", True, marks=pytest.mark.slow),
+                                       ("grpo", False), pytest.param("grpo", True, marks=pytest.mark.slow)])
 def test_sigkill_at_a_random_moment_then_resume_is_bitwise_identical(root, kind, lora):
     make = sft_config if kind == "sft" else grpo_config
     name = f"{kind}-{'lora' if lora else 'full'}"
@@ -156,6 +158,7 @@ def test_lora_resume_loads_the_trained_adapter(root):
         torch.testing.assert_close(loaded[key], value, rtol=0, atol=0)
 
 
+@pytest.mark.slow  # ~70 s on 2 cores; the other kill tests stay in make test
 def test_kills_inside_checkpoint_saves_epoch_boundary_and_corruption(root):
     """One SFT run (24 rows, batch 4: 6 steps per epoch) crashed four ways, resumed each time:
     1. killed after writing the model of step 3's checkpoint: the torn save never takes its name;
