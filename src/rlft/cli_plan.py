@@ -134,7 +134,7 @@ def memory_preflight(config: Config, world_size: int = 1) -> str | None:
     if verdict.fits:
         return None
     lines = [f"memory plan: about {plan.total / GiB:.1f} GiB at the peak; {verdict.text()}"]
-    fixes = [a for a in advise(model_cfg, setting, capacity) if a.fits][:3]
+    fixes = [a for a in advise(model_cfg, setting, capacity, verdict.context) if a.fits][:3]
     lines += [f"  - {a.change}: {a.total / GiB:.1f} GiB (fits)" for a in fixes]
     lines.append(f"  details: rlft plan CONFIG --memory-gb {capacity / GiB:.1f}")
     return "\n".join(lines)

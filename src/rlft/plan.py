@@ -540,8 +540,9 @@ class Advice:
     fits: bool
 
 
-def advise(model_config: Any, setting: PlanInput, capacity: int) -> list[Advice]:
-    """Each single change that lowers the peak, with the peak it gives, largest effect first."""
+def advise(model_config: Any, setting: PlanInput, capacity: int, context: int = CUDA_CONTEXT) -> list[Advice]:
+    """Each single change that lowers the peak, with the peak it gives, largest effect first
+    (`context`: what the device holds besides the run, as in `Verdict`)."""
     s = setting
     options: list[tuple[str, PlanInput]] = []
     if not s.lora:
@@ -583,5 +584,5 @@ def advise(model_config: Any, setting: PlanInput, capacity: int) -> list[Advice]
     for change, new in options:
         total = plan_memory(model_config, new).total
         if total < base:
-            out.append(Advice(change, total, Verdict("", capacity, total).fits))
+            out.append(Advice(change, total, Verdict("", capacity, total, context).fits))
     return sorted(out, key=lambda a: a.total)
