@@ -185,3 +185,15 @@ def test_reward_model_from_gguf_asks_for_an_import(tiny_gguf):
 
     with pytest.raises(RlftError, match="rlft import-model"):
         load_reward_model(ModelConfig(path=str(tiny_gguf), device="cpu"), LoraConfig())
+
+
+def test_4bit_from_gguf_asks_for_an_import(tiny_gguf):
+    import torch
+
+    from rlft.config import ModelConfig
+    from rlft.errors import ConfigError
+    from rlft.models.loading import load_causal_lm
+
+    # bitsandbytes quantises a folder's weights as they load; a GGUF is dequantized by transformers
+    with pytest.raises(ConfigError, match="rlft import-model"):
+        load_causal_lm(ModelConfig(path=str(tiny_gguf), device="cpu", quantization="4bit"), torch.device("cpu"))
