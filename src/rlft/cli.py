@@ -206,6 +206,22 @@ def tiny_model(
     console.print(f"wrote a {size} {arch} model to {path}")
 
 
+@app.command("import-model", help="Convert a GGUF checkpoint (llama.cpp format) into a normal model folder, once.")
+def import_model(
+    src: Path = typer.Argument(..., help="The .gguf file, or its folder with --gguf-file."),
+    dst: Path = typer.Argument(..., help="New model folder (config, fp32 safetensors, tokenizer, chat template)."),
+    gguf_file: Optional[str] = typer.Option(None, "--gguf-file", help="File name inside SRC when SRC is a folder."),
+    force: bool = typer.Option(False, "--force", help="Replace what DST holds."),
+) -> None:
+    import time
+
+    from rlft.models.gguf import import_gguf
+
+    started = time.perf_counter()
+    out = import_gguf(src, dst, gguf_file=gguf_file, overwrite=force)
+    console.print(f"imported {src} into {out} in {time.perf_counter() - started:.0f} s; use model.path={out}")
+
+
 @app.command(help="Run the CPU demo: tiny model, SFT on sloppy data, then GRPO; prints held-out accuracy.")
 def demo(
     out_dir: Path = typer.Option(Path("demo-output"), "--out", help="Where data, runs and results.json go."),

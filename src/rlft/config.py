@@ -26,7 +26,11 @@ Method = Literal["sft", "dpo", "reward_model", "grpo", "dr_grpo", "dapo", "rloo"
 
 
 class ModelConfig(Section):
-    path: str = Field(description="Local folder or Hugging Face hub id of a causal LM (or a previous run's `final/`).")
+    path: str = Field(description="Local folder or Hugging Face hub id of a causal LM (or a previous run's `final/`), "
+                                  "or a .gguf file (llama.cpp format; needs `pip install 'rlft[gguf]'`).")
+    gguf_file: str | None = Field(
+        None, description="Name of a .gguf file inside the folder `path`. A GGUF loads dequantized (~30 s for 135M "
+                          "parameters); `rlft import-model` turns it into a normal folder once.")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) when `path` is a hub id.")
     tokenizer_path: str | None = Field(None, description="Tokenizer location when it differs from `path`.")
     chat_template: str | None = Field(

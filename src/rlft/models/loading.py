@@ -59,6 +59,9 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    gguf = None if cfg.tokenizer_path else _gguf_file(cfg)
+    if gguf is not None:
+        return _finish_tokenizer(_load_gguf_tokenizer(gguf), cfg)
     given = cfg.tokenizer_path or cfg.path
     check_tokenizer_folder(given, "model.tokenizer_path" if cfg.tokenizer_path else "model.path")
     source = os.path.expanduser(given)
@@ -74,9 +77,35 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
         log.info("%s tokenizes differently from %s/tokenizer.json; using tokenizer.json as is",
                  type(tokenizer).__name__, source)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(source, **kwargs)
+    return _finish_tokenizer(tokenizer, cfg)
+
+
+def _finish_tokenizer(tokenizer: Any, cfg: ModelConfig) -> Any:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     set_chat_template(tokenizer, cfg.chat_template)
+    return tokenizer
+
+
+def _gguf_file(cfg: ModelConfig) -> Path | None:
+    """The .gguf file `cfg` names (model.path or model.gguf_file), or None for a folder / hub id."""
+    from rlft.models.gguf import gguf_source
+
+    return gguf_source(cfg.path, cfg.gguf_file)
+
+
+def _load_gguf_tokenizer(file: Path) -> Any:
+    """The tokenizer transformers builds from a GGUF's metadata; there is no tokenizer.json to
+    compare it with, so the whitespace round trip is its check."""
+    from rlft.models.gguf import load_gguf_tokenizer
+
+    tokenizer = load_gguf_tokenizer(file)
+    check_tokenizer(tokenizer, str(file))
+    ids = tokenizer(_ROUND_TRIP_PROBE, add_special_tokens=False)["input_ids"]
+    if tokenizer.decode(ids) != _ROUND_TRIP_PROBE:
+        raise RlftError(f"the tokenizer built from {file} does not give back the text it encodes "
+                        f"({_ROUND_TRIP_PROBE!r} -> {tokenizer.decode(ids)!r}), so prompts would not be what the "
+                        "data says.\nFix: set model.tokenizer_path to a folder with the model's own tokenizer files")
     return tokenizer
 
 
@@ -176,6 +205,17 @@ def load_causal_lm(cfg: ModelConfig, device: torch.device, dtype: torch.dtype | 
                                   dtype=dtype or resolve_dtype(cfg.dtype, device))
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
+    gguf = _gguf_file(cfg)
+    if gguf is not None:
+        if cfg.quantization != "none":
+            raise ConfigError(f"model.quantization={cfg.quantization} loads a model folder through bitsandbytes, and "
+                              f"model.path {cfg.path!r} is a GGUF.\nFix: rlft import-model {cfg.path} FOLDER, then "
+                              "model.path=FOLDER")
+        from rlft.models.gguf import load_gguf_model
+
+        model = load_gguf_model(gguf, kwargs["dtype"], device)
+        check_causal_lm(model, {}, cfg.path)
+        return model
     if cfg.quantization == "4bit":
         check_4bit_support(device)
         # bitsandbytes places the quantised weights as they load; a 4-bit model is not moved afterwards
@@ -200,7 +240,8 @@ def load_policy(cfg: ModelConfig, lora: LoraConfig, dtype: torch.dtype | None = 
     """`dtype`: the weights' dtype training resolved (models/precision.py); default model.dtype."""
     device = resolve_device(cfg.device)
     check_quantization(cfg, lora, device)
-    check_model_folder(cfg.path)  # before the tokenizer: a wrong folder is named as such, not as a tokenizer problem
+    if _gguf_file(cfg) is None:  # (a GGUF source is checked there)
+        check_model_folder(cfg.path)  # before the tokenizer: a wrong folder is named as such, not as a tokenizer problem
     tokenizer = load_tokenizer(cfg)
     check_template(cfg.path, tokenizer, cfg.allow_template_change)
     model = load_causal_lm(cfg, device, dtype)
@@ -268,6 +309,10 @@ def load_reward_model(cfg: ModelConfig, lora: LoraConfig, dtype: torch.dtype | N
                           "methods); reward-model training loads a sequence classifier, which rlft does not "
                           "quantise. Set model.quantization=none")
     device = resolve_device(cfg.device)
+    if _gguf_file(cfg) is not None:
+        raise RlftError(f"reward-model training reads a model folder, and model.path {cfg.path!r} is a GGUF.\n"
+                        f"Fix: rlft import-model {cfg.path} FOLDER"
+                        f"{f' --gguf-file {cfg.gguf_file}' if cfg.gguf_file else ''}, then model.path=FOLDER")
     check_model_folder(cfg.path)
     tokenizer = load_tokenizer(cfg)
     check_template(cfg.path, tokenizer, cfg.allow_template_change)
