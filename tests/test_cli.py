@@ -20,7 +20,7 @@ COMMANDS = {
     "train": "Train from a YAML config",
     "eval": "Evaluate a model folder or run directory",
     "tiny-model": "Write a ~1M-parameter random-weight model",
-    "demo": "Run the CPU demo",
+    "demo": "Run a CPU demo",
     "sandbox": "code-reward sandbox.",
     "config-help": "List every config field with its default and meaning.",
 }

@@ -49,6 +49,7 @@ class Smollm2Settings:
     eval_max_new_tokens: int = 48
     threads: int = 1  # a shared 2-core machine: one thread per process keeps timings honest
     engine: str = "hf"  # rollout and eval engine: hf, or vllm (a GPU)
+    precision: str = "auto"  # training.precision
 
 
 def find_gguf() -> Path:
@@ -108,7 +109,7 @@ def grpo_config(out: Path, model: Path, data: dict[str, Path], s: Smollm2Setting
         "lora": {"enabled": True, "r": s.lora_r, "alpha": s.lora_alpha, "dropout": 0.0, "target_modules": targets},
         "data": {"train": str(data["train"]), "eval": str(data["heldout"]), "max_prompt_length": 256},
         "training": {"learning_rate": s.learning_rate, "max_steps": s.steps, "lr_scheduler": "constant",
-                     "precision": "auto", "num_threads": s.threads},
+                     "precision": s.precision, "num_threads": s.threads},
         "rollout": {"engine": s.engine, "group_size": s.group_size, "prompts_per_step": s.prompts_per_step,
                     "max_new_tokens": s.max_new_tokens, "temperature": s.temperature},
         # micro-batches of 8 sequences: the same update (the loss normalisers are the whole batch's), and
@@ -176,6 +177,10 @@ def run_smollm2_demo(out_dir: str | Path = "demo-smollm2", settings: Smollm2Sett
     results = summarize(base, trained, out / "runs" / "grpo" / "metrics.jsonl", s, times)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     print_results(results, out)
+    from rlft.monitor.report import write_report
+
+    report = write_report([out / "runs" / "grpo"], out / "report.html")
+    console.print(f"report of the run (curves, health events, samples): {report}")
     return results
 
 
