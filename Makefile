@@ -14,7 +14,7 @@ BENCH_VENV := benchmarks/.venv-bench
 BENCH_BIN := $(BENCH_VENV)/bin
 BENCH_STAMP := $(BENCH_VENV)/.bench-installed
 BENCH_DEPS ?= trl==1.16.0 transformers==5.24.0 peft==0.21.2 accelerate==1.15.0 datasets==5.2.0
-BENCH_ARGS ?=
+BENCH_ARGS ?= --time-limit 1800  # per run: TRL at its defaults (bf16 autocast) crawls on CPUs without bf16 units
 # The report's browser test drives Debian's Chromium (never a downloaded browser).
 BROWSER_STAMP := $(VENV)/.browser-installed
 
