@@ -51,17 +51,16 @@ class World:
     # -- collectives (each a no-op in a single process) ------------------------------------------
     def sum(self, values: Sequence[float]) -> list[float]:
         """Element-wise sums over ranks (float64, so counts stay exact)."""
-        if not self.active:
-            return list(values)
-        t = torch.tensor(list(values), dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t.tolist()
+        return self._all_reduce(values, "SUM")
 
     def max(self, values: Sequence[float]) -> list[float]:
-        if not self.active:
+        return self._all_reduce(values, "MAX")
+
+    def _all_reduce(self, values: Sequence[float], op: str) -> list[float]:
+        if not self.active:  # a single process (ReduceOp may not exist in a torch without distributed)
             return list(values)
         t = torch.tensor(list(values), dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
         return t.tolist()
 
     def any(self, flag: bool) -> bool:

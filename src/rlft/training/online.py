@@ -87,9 +87,10 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
     suites = prepare_suites(config.eval.suites, policy.tokenizer, d.max_prompt_length, d.on_invalid, sc)
     sft_mix = build_sft_mix(config, policy.tokenizer, world)
     correct = config.eval.correct_component or scorer.components[0][0]
-    if train_rows.mixed and correct not in [name for name, *_ in scorer.components]:
+    components = [name for name, *_ in scorer.components]
+    if train_rows.mixed and correct not in components:
         raise ConfigError(f"eval.correct_component {correct!r} (per-source accuracy) is not a reward component; "
-                          f"choose one of {[name for name, *_ in scorer.components]}")
+                          f"choose one of {components}")
     engine = rollout_engine(config.rollout, policy.unsharded(), config.seed, sample_dtype)  # whole weights
     kl_ctl = make_kl_controller(a.kl_coef, a.kl_target, a.kl_adapt_factor)
     sampler = PromptSampler(len(train_rows), config.seed, d.shuffle, order=train_rows.order)

@@ -443,15 +443,14 @@ class TrainingSession:
         from rlft.eval.suites import run_suites
 
         every = self.training.eval_every
-        due = [p for p in suites if p.suite.due(self.step, self.total_steps, every)]
-        if not due:
+        if not any(p.suite.due(self.step, self.total_steps, every) for p in suites):
             return {}, None
         self.sync_mirror()  # a distributed run samples from its whole copy
         ran: dict[str, list[dict[str, Any]]] = {}
 
         def run() -> dict[str, float]:
-            with self.autocast():
-                metrics, records = run_suites(engine, due, self.step, self.total_steps, seed, train_reward, every)
+            with self.autocast():  # run_suites runs the suites due at this step
+                metrics, records = run_suites(engine, suites, self.step, self.total_steps, seed, train_reward, every)
             ran.update(records)
             return metrics
 
