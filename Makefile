@@ -18,7 +18,7 @@ BENCH_ARGS ?= --time-limit 1800  # per run: TRL at its defaults (bf16 autocast) 
 # The report's browser test drives Debian's Chromium (never a downloaded browser).
 BROWSER_STAMP := $(VENV)/.browser-installed
 
-.PHONY: install test test-slow demo demo-smollm2 bench clean
+.PHONY: install test test-bf16 test-slow demo demo-smollm2 bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,12 @@ $(BROWSER_STAMP): | $(STAMP)
 
 test: $(STAMP) $(BROWSER_STAMP)
 	$(BIN)/python -m pytest -q
+
+# bf16-mixed whatever the hardware: one short run of each method, LoRA and full, HF and vLLM engines,
+# 1 and 2 ranks, SIGKILL + resume (minutes even where bf16 is slow). `RLFT_CPU_BF16=1|0 make test`
+# instead runs the whole suite as a machine with (or without) bf16 units would.
+test-bf16: $(STAMP)
+	$(BIN)/python -m pytest -q -m bf16 tests/test_bf16.py
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

@@ -164,7 +164,8 @@ def test_accumulated_run_equals_unbatched_run(tmp_path, qwen_path):
 
     def run(out, micro):
         config = load_config(dpo_config(qwen_path, train, tmp_path / out, data={"max_length": 256}, training={
-            "batch_size": 8, "micro_batch_size": micro, "learning_rate": 1e-3, "adam_eps": 1e-4}))
+            "batch_size": 8, "micro_batch_size": micro, "learning_rate": 1e-3, "adam_eps": 1e-4,
+            "precision": "fp32"}))  # compares float64 weights to 1e-5: no autocast
         policy = load_policy(config.model, config.lora)
         policy.model.double()
         initial = {n: p.detach().clone() for n, p in policy.model.named_parameters()}

@@ -28,6 +28,18 @@ def test_auto_picks_bf16_mixed_only_where_the_cpu_computes_in_bf16(monkeypatch, 
     assert p.weight_dtype == torch.float32
 
 
+@pytest.mark.parametrize("value, expected", [("1", "bf16-mixed"), ("0", "fp32")])
+def test_the_switch_makes_auto_resolve_as_the_other_kind_of_cpu(monkeypatch, value, expected):
+    """RLFT_CPU_BF16 lets an AVX2 machine run the bf16 paths and an AMX one the fp32 paths, whatever
+    /proc/cpuinfo says."""
+    monkeypatch.setenv("RLFT_CPU_BF16", value)
+    p = resolve_precision("auto", "auto", CPU)
+    assert p.name == expected and "RLFT_CPU_BF16" in p.reason
+    monkeypatch.setenv("RLFT_CPU_BF16", "yes")
+    with pytest.raises(ConfigError, match="RLFT_CPU_BF16='yes'"):
+        resolve_precision("auto", "auto", CPU)
+
+
 def test_explicit_choices_and_pure_bf16():
     assert resolve_precision("bf16-mixed", "auto", CPU).compute_dtype == torch.bfloat16
     assert resolve_precision("fp32", "fp32", CPU).compute_dtype is None

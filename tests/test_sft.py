@@ -78,7 +78,8 @@ def test_micro_batches_give_the_big_batch_gradient(qwen_path):
 
 def _accumulation_run(qwen_path, train, out, micro):
     config = load_config(make_config(qwen_path, train, out, training={
-        "batch_size": 8, "micro_batch_size": micro, "learning_rate": 1e-3, "epochs": 1}))
+        "batch_size": 8, "micro_batch_size": micro, "learning_rate": 1e-3, "epochs": 1,
+        "precision": "fp32"}))  # compares float64 weights to 1e-5: no autocast
     policy = load_policy(config.model, config.lora)
     policy.model.double()
     initial = {n: p.detach().clone() for n, p in policy.model.named_parameters()}

@@ -379,7 +379,9 @@ def test_grpo_on_vllm_stays_on_policy_and_learns(tmp_path, qwen_path):
     summary = train({
         "method": "grpo", "output_dir": str(run), "seed": 0,
         "model": {"path": str(qwen_path), "device": "cpu"}, "data": {"train": str(tmp_path / "prompts.jsonl")},
-        "training": {"learning_rate": 1e-2, "max_steps": 8, "num_threads": 1, "lr_scheduler": "constant"},
+        # fp32: the engine/trainer log-prob bound below is float32 rounding (tests/test_bf16.py: bf16)
+        "training": {"learning_rate": 1e-2, "max_steps": 8, "num_threads": 1, "lr_scheduler": "constant",
+                     "precision": "fp32"},
         "rollout": {"engine": "vllm", "group_size": 8, "prompts_per_step": 4, "max_new_tokens": 12},
         "rewards": [{"fn": f"{tmp_path / 'rewards.py'}:digits"}],
         "logging": {"progress": False},

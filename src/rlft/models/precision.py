@@ -10,11 +10,15 @@ runs in.
 - `auto`: bf16-mixed where the hardware computes in bf16 (a CUDA GPU with bf16 support; a CPU with
   AMX or AVX512-BF16), fp32 elsewhere -- on a CPU without bf16 units bf16 matrix products are far
   slower than fp32 ones. The choice and its reason are printed when a run starts.
+  `RLFT_CPU_BF16=1` (or `0`) in the environment makes `auto` treat the CPU as one with (or
+  without) bf16 units: run the bf16 paths on an AVX2-only machine (slowly), or the fp32 paths on an
+  AMX one, e.g. `RLFT_CPU_BF16=1 make test`.
 Log-softmax and losses are taken in fp32 whatever the precision (see models/forward.py).
 """
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, ContextManager
@@ -54,8 +58,17 @@ def autocast_to(device: torch.device, dtype: torch.dtype | None) -> ContextManag
     return nullcontext() if dtype is None else torch.autocast(device_type=device.type, dtype=dtype)
 
 
+CPU_BF16_ENV = "RLFT_CPU_BF16"
+
+
 def cpu_has_bf16() -> bool:
-    """AMX or AVX512-BF16: the CPU multiplies bf16 matrices natively."""
+    """AMX or AVX512-BF16: the CPU multiplies bf16 matrices natively (or RLFT_CPU_BF16 says so)."""
+    forced = os.environ.get(CPU_BF16_ENV, "").strip()
+    if forced:
+        if forced not in ("0", "1"):
+            raise ConfigError(f"{CPU_BF16_ENV}={forced!r}: use 1 (treat this CPU as having bf16 units) or 0 "
+                              "(as having none), or unset it to detect")
+        return forced == "1"
     try:
         flags = open("/proc/cpuinfo").read()
     except OSError:
@@ -81,7 +94,11 @@ def resolve_precision(precision: str, model_dtype: str, device: torch.device) ->
             return Precision("bf16-mixed", f"auto: {torch.cuda.get_device_name(device)} computes in bf16")
         return Precision("fp32", f"auto: {torch.cuda.get_device_name(device)} has no bf16 support")
     if device.type == "cpu" and cpu_has_bf16():
-        return Precision("bf16-mixed", "auto: this CPU has bf16 matrix units (AMX / AVX512-BF16)")
+        why = (f"{CPU_BF16_ENV}=1" if os.environ.get(CPU_BF16_ENV, "").strip() == "1"
+               else "this CPU has bf16 matrix units (AMX / AVX512-BF16)")
+        return Precision("bf16-mixed", f"auto: {why}")
+    if device.type == "cpu" and os.environ.get(CPU_BF16_ENV, "").strip() == "0":
+        return Precision("fp32", f"auto: {CPU_BF16_ENV}=0")
     return Precision("fp32", f"auto: no bf16 units on this {device.type.upper()} (bf16 would be slower than fp32)")
 
 

@@ -246,7 +246,10 @@ class SharedValueHead:
         return hidden  # [n, t, H]
 
     def _values(self, hidden: Tensor) -> Tensor:
-        return self.head(hidden.float()).squeeze(-1)  # [n, t]
+        # fp32 even under bf16 autocast (which would make the head's output bf16): one dot product per
+        # token is cheap, and values feed fp32 GAE and value targets
+        with torch.autocast(hidden.device.type, enabled=False):
+            return self.head(hidden.float()).squeeze(-1)  # [n, t]
 
     @torch.no_grad()
     def values(self, batch: RolloutBatch, world: World) -> Tensor:
