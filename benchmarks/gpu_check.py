@@ -1,10 +1,12 @@
-"""GPU check: every training method end to end on CUDA in bf16, with step times and peak memory.
+"""GPU check: every training method end to end on CUDA at bf16-mixed (what `precision: auto`
+picks on a bf16 GPU), with step times and peak memory.
 
     python benchmarks/gpu_check.py OUT_DIR [--size small]
 
-Runs SFT, GRPO (full and LoRA), PPO (separate critic), DPO and reward-model training for a few
-steps each on the ~27M-parameter test model, and times rlft's rollout engine against
-`model.generate` on the same batch. Writes OUT_DIR/gpu_check.json. Needs a CUDA GPU.
+Runs SFT, GRPO (full, LoRA, vLLM engine), DAPO (LoRA + checkpointing), RLOO, REINFORCE++, PPO
+(separate critic and shared value head), DPO and reward-model training for a few steps each on the
+~27M-parameter test model, and times rlft's rollout engine against `model.generate` on the same
+batch. Writes OUT_DIR/gpu_check.json. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -53,13 +55,14 @@ def main() -> None:
     model = build_tiny_model(work / "model", size=size, seed=0, overwrite=True)
     data = REPO / "examples" / "data"
     fmt = r"\d\+\d=\d+, carry [01]\. \d\+\d\+[01]=\d+\. The answer is \d+\."
-    common = {"seed": 0, "logging": {"progress": False}, "model": {"path": str(model), "dtype": "bf16", "device": "cuda"}}
+    common = {"seed": 0, "logging": {"progress": False}, "model": {"path": str(model), "device": "cuda"}}
+    mixed = {"precision": "bf16-mixed"}
     rl_rewards = [{"fn": "regex", "name": "format", "args": {"pattern": fmt, "mode": "fullmatch"}}]
 
     def sft():
         cfg = {**common, "method": "sft", "output_dir": str(work / "sft"),
                "data": {"train": str(data / "arith_sft.jsonl")},
-               "training": {"learning_rate": 1e-3, "batch_size": 64, "max_steps": 60}}
+               "training": {**mixed, "learning_rate": 1e-3, "batch_size": 64, "max_steps": 60}}
         train(cfg)
         return step_times(work / "sft")
 
@@ -67,7 +70,7 @@ def main() -> None:
         cfg = {**common, "method": method, "output_dir": str(work / name),
                "model": {**common["model"], "path": str(work / "sft" / "final")},
                "data": {"train": str(data / "arith_rl_prompts.jsonl")}, "rewards": rl_rewards,
-               "training": {"learning_rate": 1e-5, "max_steps": 6},
+               "training": {**mixed, "learning_rate": 1e-5, "max_steps": 6},
                "rollout": {"group_size": 8, "prompts_per_step": 16, "max_new_tokens": 48}}
         for key, value in extra.items():
             cfg[key] = {**cfg.get(key, {}), **value}
@@ -78,7 +81,7 @@ def main() -> None:
         cfg = {**common, "method": method, "output_dir": str(work / name),
                "model": {**common["model"], "path": str(work / "sft" / "final")},
                "data": {"train": str(data / "arith_pref_train.jsonl"), "eval": str(data / "arith_pref_heldout.jsonl")},
-               "training": {"learning_rate": 1e-4, "batch_size": 32, "max_steps": 10}}
+               "training": {**mixed, "learning_rate": 1e-4, "batch_size": 32, "max_steps": 10}}
         train(cfg)
         return step_times(work / name)
 
@@ -89,7 +92,7 @@ def main() -> None:
         from rlft.rollout.contract import SamplingParams
         from rlft.rollout.hf import HFEngine
 
-        policy = load_policy(ModelConfig(path=str(work / "sft" / "final"), dtype="bf16", device="cuda"), LoraConfig())
+        policy = load_policy(ModelConfig(path=str(work / "sft" / "final"), dtype="bf16", device="cuda"), LoraConfig())  # sampling only
         prompts = [encode_prompt(policy.tokenizer, [{"role": "user", "content": f"What is {10 + i} + {30 + i}?"}])
                    for i in range(16)]
         engine = HFEngine(policy.model, policy.tokenizer, end_of_turn_ids(policy.tokenizer), policy.device)
@@ -123,7 +126,11 @@ def main() -> None:
     stage(results, "grpo_lora", lambda: online("grpo_lora", "grpo", lora={"enabled": True, "r": 16, "alpha": 32}))
     stage(results, "dapo_lora_ckpt", lambda: online("dapo", "dapo", lora={"enabled": True},
                                                    model={"gradient_checkpointing": True}))
-    stage(results, "ppo", lambda: online("ppo", "ppo", critic={"warmup_steps": 1}))
+    stage(results, "grpo_vllm", lambda: online("grpo_vllm", "grpo", rollout={"engine": "vllm"}))
+    stage(results, "rloo", lambda: online("rloo", "rloo"))
+    stage(results, "reinforce_pp", lambda: online("reinforce_pp", "reinforce_pp"))
+    stage(results, "ppo_separate", lambda: online("ppo", "ppo", critic={"warmup_steps": 1}))
+    stage(results, "ppo_shared", lambda: online("ppo_shared", "ppo", critic={"kind": "shared", "warmup_steps": 1}))
     stage(results, "dpo", lambda: preference("dpo", "dpo"))
     stage(results, "reward_model", lambda: preference("rm", "reward_model"))
     stage(results, "generation", generation)
