@@ -122,7 +122,10 @@ class TrainingConfig(Section):
     micro_batch_size: int | None = Field(
         None, ge=1, description="Examples per forward pass; batch_size / micro_batch_size = gradient accumulation.")
     eval_every: int | None = Field(None, ge=1, description="Evaluate every N steps (and always at the end).")
-    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice).")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch CPU threads. Unset: torch's default, but at most the cores the 1-minute load "
+                                "average leaves free (at least 1; printed at start): OpenMP threads spinning on a "
+                                "busy core made steps 10-40x slower. Set above the free cores: a warning.")
     max_consecutive_nonfinite: int = Field(
         3, ge=1, description="Stop after this many consecutive steps skipped for a non-finite loss/grad norm.")
     dist_timeout_s: float = Field(
