@@ -279,3 +279,44 @@ def test_threads_follow_the_load_when_unset_and_a_busy_machine_is_warned_about(m
         assert "torch's default" in said[-1][0]
     finally:
         torch.set_num_threads(saved)
+
+
+# -- 4. the README's "Using it" commands, as written ---------------------------------------------
+
+# (the README's command, what this test adds to keep it short: step counts and evaluated rows)
+SHORT = ["eval.max_examples=4", "eval.max_new_tokens=8"]
+README_COMMANDS = [
+    ("rlft tiny-model runs/tiny-model", []),
+    ("rlft train examples/sft.yaml", ["training.max_steps=2", *SHORT]),
+    ("rlft train examples/grpo.yaml", ["training.max_steps=1", "rollout.prompts_per_step=2",
+                                       "rollout.max_new_tokens=8", *SHORT]),
+    ("rlft eval runs/grpo --data examples/data/arith_heldout.jsonl --reward math --samples 8 --temperature 1.0",
+     ["--max-examples", "4", "--max-new-tokens", "8"]),
+    ("rlft eval runs/grpo --data examples/data/arith_heldout.jsonl --compare runs/sft",
+     ["--max-examples", "4", "--max-new-tokens", "8"]),
+]
+
+
+def test_the_readme_commands_run_as_written(tmp_path, monkeypatch, capsys):
+    """Before: `rlft eval runs/grpo ... --reward math` died after sampling with a raw ValueError
+    (the examples' correct_component), and the Python snippet run after the SFT step stopped with
+    'nothing to train' (it re-used runs/sft with fewer epochs)."""
+    import ast
+    import re
+
+    import rlft
+
+    readme = (ROOT / "README.md").read_text()
+    using = readme.split("## Using it", 1)[1].split("### Config", 1)[0]
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    monkeypatch.chdir(tmp_path)
+    for command, extra in README_COMMANDS:
+        assert command in using, command
+        done = run_main(monkeypatch, capsys, *command.split()[1:], *extra)
+        assert done.returncode == 0, (command, (done.stdout + done.stderr)[-3000:])
+    assert (tmp_path / "runs" / "grpo" / "evals" / "arith_heldout.json").is_file()
+    assert (tmp_path / "runs" / "grpo" / "evals" / "compare-arith_heldout.json").is_file()
+    call = re.search(r'rlft\.train\("examples/sft\.yaml", (\[.*?\])\)', using)
+    assert call is not None
+    summary = rlft.train("examples/sft.yaml", [*ast.literal_eval(call.group(1)), "training.max_steps=2", *SHORT])
+    assert summary["status"] == "completed" and summary["step"] == 2
