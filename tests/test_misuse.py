@@ -320,3 +320,15 @@ def test_the_readme_commands_run_as_written(tmp_path, monkeypatch, capsys):
     assert call is not None
     summary = rlft.train("examples/sft.yaml", [*ast.literal_eval(call.group(1)), "training.max_steps=2", *SHORT])
     assert summary["status"] == "completed" and summary["step"] == 2
+
+
+# -- also: a path in another platform's style ------------------------------------------------------
+
+@pytest.mark.parametrize("source, posix", [(r"C:\data\x.jsonl", "/data/x.jsonl"), (r"data\x.jsonl", "data/x.jsonl")])
+def test_a_windows_style_data_path_is_named_as_such(source, posix):
+    """Before: 'data file not found' with a hint to check the path, which looks right to its author."""
+    from rlft.data.readers import read_rows
+
+    with pytest.raises(DataError) as info:
+        read_rows(source)
+    assert "Windows style" in str(info.value) and repr(posix) in str(info.value)

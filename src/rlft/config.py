@@ -125,7 +125,8 @@ class TrainingConfig(Section):
     num_threads: int | None = Field(
         None, ge=1, description="torch CPU threads. Unset: torch's default, but at most the cores the 1-minute load "
                                 "average leaves free (at least 1; printed at start): OpenMP threads spinning on a "
-                                "busy core made steps 10-40x slower. Set above the free cores: a warning.")
+                                "busy core made steps 10-40x slower. Set above the free cores: a warning. Set it "
+                                "for bitwise-reproducible runs (the count can change float summation order).")
     max_consecutive_nonfinite: int = Field(
         3, ge=1, description="Stop after this many consecutive steps skipped for a non-finite loss/grad norm.")
     dist_timeout_s: float = Field(

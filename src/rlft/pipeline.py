@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rlft.config import Config, apply_override, load_config
 from rlft.config_yaml import load_yaml
+from rlft.data.readers import looks_like_windows
 from rlft.errors import ConfigError
 from rlft.monitor.catalogue import preflight
 from rlft.monitor.rundir import RunDir
@@ -145,8 +146,9 @@ def _check_stage(stage: Stage, cfg: Config) -> None:
     for field in ("train", "eval"):
         source = getattr(cfg.data, field)
         if source and not source.startswith("hf:") and not Path(source).exists():
-            raise ConfigError(f"stage {stage.name}: data.{field} not found: {source}\n"
-                              "Fix: correct the path (relative paths are read from the working directory)")
+            hint = (f"write it with '/' ({source!r} is a Windows-style path)" if looks_like_windows(source)
+                    else "correct the path (relative paths are read from the working directory)")
+            raise ConfigError(f"stage {stage.name}: data.{field} not found: {source}\nFix: {hint}")
     try:
         preflight(cfg)
     except ConfigError as exc:
