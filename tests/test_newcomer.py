@@ -37,7 +37,7 @@ def _tiny_sft(root: Path, model: Path, rows: int = 4, **sections) -> dict:
 def test_the_readme_python_example_runs_as_written(tmp_path, qwen_path):
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
     example = next(b for b in blocks if "rlft.train(" in b)
-    assert 'rlft.train("examples/sft.yaml", ["training.epochs=2"])' in example
+    assert 'rlft.train("examples/sft.yaml", ["training.epochs=2", "output_dir=runs/sft-2ep"])' in example
     (tmp_path / "examples").mkdir()
     cfg = {**_tiny_sft(tmp_path, qwen_path), "output_dir": "runs/sft"}  # relative, as in the README
     (tmp_path / "examples" / "sft.yaml").write_text(yaml.safe_dump(cfg))
@@ -46,7 +46,7 @@ def test_the_readme_python_example_runs_as_written(tmp_path, qwen_path):
                           env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"status": "completed", "step": 2}  # 2 epochs x 1
-    assert (tmp_path / "runs" / "sft" / "final" / "config.json").is_file()
+    assert (tmp_path / "runs" / "sft-2ep" / "final" / "config.json").is_file()
 
 
 # -- progress when the output is a file ------------------------------------------------------

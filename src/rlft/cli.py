@@ -69,10 +69,15 @@ HEADLINE_METRICS = ("accuracy", "rewards/accuracy", "margin", "rewards/margin", 
 
 
 @app.command(help="Run training stages in order (e.g. sft -> dpo -> grpo), each from the previous stage's export.")
-def pipeline(file: Path = typer.Argument(..., help="Pipeline YAML: output_dir and stages.")) -> None:
+def pipeline(
+    file: Path = typer.Argument(..., help="Pipeline YAML: output_dir and stages."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="Overrides: section.key=value ... applied to every "
+                                                   "stage's config after its own; output_dir=DIR sets the "
+                                                   "pipeline's output_dir."),
+) -> None:
     from rlft.pipeline import run_pipeline
 
-    results = run_pipeline(file)
+    results = run_pipeline(file, list(overrides or []))
     from rich.table import Table
 
     table = Table(title="pipeline")
@@ -90,21 +95,30 @@ def pipeline(file: Path = typer.Argument(..., help="Pipeline YAML: output_dir an
         raise typer.Exit(1)
 
 
-EVAL_FLAGS = {"num_samples": "--samples", "temperature": "--temperature", "max_new_tokens": "--max-new-tokens"}
+EVAL_FLAGS = {"num_samples": "--samples", "temperature": "--temperature", "max_new_tokens": "--max-new-tokens",
+              "max_examples": "--max-examples"}
 
 
 @app.command(help="Evaluate a model folder or run directory on held-out prompts: accuracy, reward, pass@k "
                    "(--compare: win rate).")
 def eval(
     target: Path = typer.Argument(..., help="Model folder, or a run directory: its final/ with the run's own rewards "
-                                            "and eval settings; results are saved to RUN/evals/<data>.json."),
+                                            "and eval settings; results are saved to RUN/evals/<data>.json "
+                                            "(<data>-2.json, -3, ... when that exists: nothing is overwritten)."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="Overrides of the run's config (or --config's): "
+                                                    "section.key=value ..., as rlft train."),
     data: Optional[str] = typer.Option(None, "--data", help="Held-out prompts (.jsonl/.parquet/hf:NAME) with reward "
                                        "fields; without it, the eval.suites of the run or of --config."),
     config: Optional[Path] = typer.Option(None, "--config", help="Take rewards and eval settings from this config."),
-    reward: Optional[List[str]] = typer.Option(None, "--reward", help="Reward fn (built-in or module:fn); repeatable."),
+    reward: Optional[List[str]] = typer.Option(
+        None, "--reward", help="Reward fn (built-in or module:fn); repeatable; replaces the run's rewards. Accuracy "
+                               "then counts a sample correct when the run's eval.correct_component is still among "
+                               "them and >= eval.correct_threshold, else when the first --reward is >= it."),
     samples: Optional[int] = typer.Option(None, "--samples", help="Completions per prompt (pass@k with k = samples)."),
     temperature: Optional[float] = typer.Option(None, help="0 = greedy (default), > 0 sampled."),
     max_new_tokens: Optional[int] = typer.Option(None, help="Longest completion."),
+    max_examples: Optional[str] = typer.Option(None, "--max-examples", help="Rows evaluated: N, or 'all' (default: "
+                                               "eval.max_examples, 256; a cut is announced)."),
     split: str = typer.Option("train", help="Split for hf: datasets."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write per-completion records (JSONL) here."),
     engine: str = typer.Option("hf", "--engine", help="Generation engine: hf, or vllm (rollout.vllm settings "
@@ -120,7 +134,12 @@ def eval(
     from rlft.eval.run import evaluate_model, resolve_model, run_settings, save_run_eval, summary_rows, write_records
 
     _, run_dir = resolve_model(target)
-    settings = load_config(config) if config is not None else run_settings(run_dir) if run_dir is not None else None
+    overrides = list(overrides or [])
+    if overrides and config is None and run_dir is None:
+        raise RlftError(f"override {overrides[0]!r}: overrides change a config; {target} is a model folder, so "
+                        "give one with --config CONFIG.yaml (or evaluate a run directory)")
+    settings = (load_config(config, overrides) if config is not None
+                else run_settings(run_dir, overrides) if run_dir is not None else None)
     cfg, rewards = EvalConfig(), [RewardSpec(fn=r) for r in reward or []]
     seed, max_prompt, scoring, max_row_bytes = 0, 4096, None, None
     if settings is not None:  # a config, or the run's own settings, so the numbers compare with its own
@@ -128,6 +147,14 @@ def eval(
         max_prompt, max_row_bytes = settings.data.max_prompt_length, settings.data.max_row_bytes
     updates = {k: v for k, v in dict(num_samples=samples, temperature=temperature,
                                       max_new_tokens=max_new_tokens).items() if v is not None}
+    if max_examples is not None:
+        updates["max_examples"] = None if max_examples.strip().lower() == "all" else max_examples
+    if reward and cfg.correct_component is not None and cfg.correct_component.partition("/")[0] not in (
+            r.component for r in rewards):
+        # the run's correctness component was replaced: accuracy comes from the new rewards
+        console.print(f"accuracy: {rewards[0].component} >= {cfg.correct_threshold:g} (--reward replaces the run's "
+                      f"rewards, so its eval.correct_component {cfg.correct_component!r} is not used)", highlight=False)
+        updates["correct_component"] = None
     # the flags get the config fields' checks (model_copy would take them unchecked)
     cfg = validate_flags(EvalConfig, {**cfg.model_dump(), **updates}, EVAL_FLAGS, "eval.")
     if engine not in ("hf", "vllm"):

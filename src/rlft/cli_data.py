@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, List, Optional, Protocol, Sequence
 
 import typer
 
@@ -44,7 +44,8 @@ class ModelPlumbing:
         self.tokenizer = policy.tokenizer
         self.engine = rollout_engine(config.rollout, policy, config.seed)
         self.params = sampling_params(config.rollout)
-        self.scorer = RewardScorer(config.rewards, config.scoring.max_workers)
+        self.scorer = RewardScorer(config.rewards, config.scoring.max_workers,
+                                   max_abs_reward=config.scoring.max_abs_reward)
         self.required = self.scorer.required_fields
         self.correct_component = config.eval.correct_component or self.scorer.components[0][0]
 
@@ -123,6 +124,7 @@ def run_pairs(config: Any, plumbing: Plumbing, samples: int, margin: float, out:
 @app.command("screen")
 def screen(
     config: Path = typer.Argument(..., help="Training config: model, data.train, rewards, rollout sampling."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="Overrides: section.key=value ... (as rlft train)."),
     samples: int = typer.Option(8, "--samples", min=1, help="Completions per prompt."),
     low: float = typer.Option(0.1, "--low", help="Keep prompts with pass rate >= this."),
     high: float = typer.Option(0.9, "--high", help="... and <= this."),
@@ -131,13 +133,14 @@ def screen(
     """Keep the prompts the model solves sometimes: pass rate over SAMPLES in [LOW, HIGH]."""
     from rlft.config import load_config
 
-    cfg = load_config(config)
+    cfg = load_config(config, list(overrides or []))
     typer.echo(run_screen(cfg, default_plumbing(cfg), samples, low, high, out))
 
 
 @app.command("pairs")
 def pairs(
     config: Path = typer.Argument(..., help="Training config: model, data.train (prompts), rewards."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="Overrides: section.key=value ... (as rlft train)."),
     samples: int = typer.Option(8, "--samples", min=2, help="Completions per prompt."),
     margin: float = typer.Option(0.0, "--margin", min=0.0, help="Keep a pair when best - worst score > this."),
     out: Path = typer.Option(..., "--out", help="JSONL of preference rows {prompt, chosen, rejected, margin}."),
@@ -145,7 +148,7 @@ def pairs(
     """Preference pairs from the model's own samples: best vs worst by reward."""
     from rlft.config import load_config
 
-    cfg = load_config(config)
+    cfg = load_config(config, list(overrides or []))
     typer.echo(run_pairs(cfg, default_plumbing(cfg), samples, margin, out))
 
 

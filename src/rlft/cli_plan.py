@@ -4,7 +4,7 @@ weight is loaded; a verdict for a device and the changes that would make it fit.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import typer
 
@@ -97,6 +97,7 @@ def plan_report(config: Config, device: str | None = None, memory_gb: float | No
 
 def plan(
     config_path: Path = typer.Argument(..., help="Training config YAML."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="Overrides: section.key=value ... (as rlft train)."),
     device: Optional[str] = typer.Option(None, "--device", help="e.g. 'H100 80GB', 'A100 40GB', 'L4 24GB'."),
     memory_gb: Optional[float] = typer.Option(None, "--memory-gb", help="Device memory in GiB (instead of --device)."),
     world_size: int = typer.Option(1, "--world-size", min=1, help="Ranks sharing the model (FSDP)."),
@@ -104,7 +105,7 @@ def plan(
     """Estimate the memory of a training run before loading any weights."""
     from rlft.config import load_config
 
-    typer.echo(plan_report(load_config(config_path), device, memory_gb, world_size))
+    typer.echo(plan_report(load_config(config_path, list(overrides or [])), device, memory_gb, world_size))
 
 
 def memory_preflight(config: Config, world_size: int = 1) -> str | None:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
+from rlft.config_yaml import load_yaml
 from rlft.errors import ConfigError
 from rlft.monitor.settings import LoggerSettings, MonitorConfig
 from rlft.section import Section
@@ -121,7 +122,11 @@ class TrainingConfig(Section):
     micro_batch_size: int | None = Field(
         None, ge=1, description="Examples per forward pass; batch_size / micro_batch_size = gradient accumulation.")
     eval_every: int | None = Field(None, ge=1, description="Evaluate every N steps (and always at the end).")
-    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice).")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch CPU threads. Unset: torch's default, but at most the cores the 1-minute load "
+                                "average leaves free (at least 1; printed at start): OpenMP threads spinning on a "
+                                "busy core made steps 10-40x slower. Set above the free cores: a warning. Set it "
+                                "for bitwise-reproducible runs (the count can change float summation order).")
     max_consecutive_nonfinite: int = Field(
         3, ge=1, description="Stop after this many consecutive steps skipped for a non-finite loss/grad norm.")
     dist_timeout_s: float = Field(
@@ -200,8 +205,10 @@ class AlgorithmConfig(Section):
 
     advantage: AdvantageName | None = Field(None, description="Advantage estimator.")
     std_floor: float | None = Field(None, ge=0, description="Group std is clamped to at least this before dividing.")
-    clip_low: float | None = Field(None, ge=0, description="Lower clip of the importance ratio: 1 - clip_low.")
-    clip_high: float | None = Field(None, ge=0, description="Upper clip: 1 + clip_high (DAPO clip-higher: 0.28).")
+    clip_low: float | None = Field(
+        None, description="Lower clip of the importance ratio: 1 - clip_low; in (0, 1), so the bound stays positive.")
+    clip_high: float | None = Field(
+        None, description="Upper clip: 1 + clip_high, clip_high > 0 (DAPO clip-higher: 0.28).")
     dual_clip: float | None = Field(None, description="Dual-clip bound c > 1 for negative advantages (None: off).")
     kl_coef: float | None = Field(None, ge=0, description="KL coefficient beta (initial value if adaptive).")
     kl_estimator: Literal["k1", "k2", "k3"] | None = Field(None, description="KL estimator (Schulman's k1/k2/k3).")
@@ -230,6 +237,27 @@ class AlgorithmConfig(Section):
                           "regulariser, keeping what SFT taught while RL trains (None: off).")
     sft_mix_coef: float = Field(0.1, ge=0, description="Weight of the sft_mix NLL (mean per token) in the loss.")
     sft_mix_batch_size: int = Field(8, ge=1, description="sft_mix rows per optimizer step.")
+
+    @field_validator("clip_low", "clip_high", "dual_clip")
+    @classmethod
+    def _clip_range(cls, value: float | None, info: Any) -> float | None:
+        """The ratio is clipped to [1 - clip_low, 1 + clip_high]: clip_low >= 1 makes the lower
+        bound 0 or negative (no clipping at all for negative advantages), 0 makes it 1 (no update
+        below the old policy); dual clip c bounds the loss of a negative advantage at c * |A|,
+        which is only a bound above the clipped ratio (>= 1)."""
+        if value is None:
+            return value
+        name = info.field_name
+        if name == "clip_low" and not 0 < value < 1:
+            raise ValueError(f"algorithm.clip_low={value:g}: the ratio's lower bound is 1 - clip_low, which must "
+                             "lie in (0, 1), so clip_low must be in (0, 1) (PPO uses 0.2)")
+        if name == "clip_high" and not value > 0:
+            raise ValueError(f"algorithm.clip_high={value:g}: the ratio's upper bound is 1 + clip_high, which must "
+                             "exceed 1, so clip_high must be > 0 (PPO uses 0.2, DAPO's clip-higher 0.28)")
+        if name == "dual_clip" and not value > 1:
+            raise ValueError(f"algorithm.dual_clip must be > 1 (got {value:g}): it caps the ratio of negative "
+                             "advantages above the 1 + clip range; null turns it off")
+        return value
 
 
 _BASE_PRESET: dict[str, Any] = dict(
@@ -273,7 +301,8 @@ class CriticConfig(Section):
     lora: bool = Field(False, description="Separate critic: train LoRA adapters (and the value head) only.")
     learning_rate: float | None = Field(None, gt=0, description="Separate critic's learning rate (default: training's).")
     value_coef: float = Field(0.5, ge=0, description="Shared head: weight of the value loss in the combined loss.")
-    value_clip: float | None = Field(0.2, ge=0, description="Clip of the value update around the old values (None: off).")
+    value_clip: float | None = Field(0.2, gt=0, description="Clip of the value update around the old values, > 0 "
+                                                            "(0 would freeze the critic; None: off).")
     warmup_steps: int = Field(0, ge=0, description="First rollout steps that train the critic only (policy frozen).")
     whiten_advantages: bool = Field(True, description="Normalise GAE advantages over the batch's valid tokens.")
 
@@ -305,6 +334,13 @@ class ScoringConfig(Section):
         8, ge=1, description="Stop the run (with a checkpoint of the last completed step) when one reward's calls "
                              "time out this many times in a row: counted in the order the calls end, across steps, "
                              "and reset by any call of that reward that ends in time. null: never stop for this.")
+    max_abs_reward: float | None = Field(
+        1e4, gt=0, description="Largest |value| a reward call may return (each component and each part of a dict "
+                               "reward). Verifiable rewards live in a small fixed range (0..1, -1..1); a value "
+                               "like 1e9 is a bug in the reward (a raw count, a missing scale), and under Dr. GRPO "
+                               "(no std division) it would make every update sign-only. A value beyond it is a "
+                               "reward error, handled as on_reward_error says. null: no bound (non-finite values "
+                               "are refused regardless).")
     on_reward_error: Literal["stop", "unverifiable"] = Field(
         "stop", description="A reward call that raises or returns something other than a float, None or a dict of "
                             "floats (NaN, inf, a string, a list): stop the run with one message naming the reward "
@@ -553,10 +589,7 @@ def load_config(source: str | Path | dict[str, Any], overrides: list[str] | None
         path = Path(source)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        raw = load_yaml(path.read_text(), path) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, data:, ...)")
         origin = str(path)

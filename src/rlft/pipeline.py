@@ -26,10 +26,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rlft.config import Config, load_config
+from rlft.config import Config, apply_override, load_config
+from rlft.config_yaml import load_yaml
+from rlft.data.readers import looks_like_windows
 from rlft.errors import ConfigError
 from rlft.monitor.catalogue import preflight
 from rlft.monitor.rundir import RunDir
@@ -57,9 +58,10 @@ def load_pipeline(path: str | Path) -> tuple[Pipeline, Path]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"pipeline file not found: {path}")
+    raw = load_yaml(path.read_text(), path) or {}
     try:
-        pipeline = Pipeline.model_validate(yaml.safe_load(path.read_text()) or {})
-    except (yaml.YAMLError, ValidationError) as exc:
+        pipeline = Pipeline.model_validate(raw)
+    except ValidationError as exc:
         raise ConfigError(f"{path}: invalid pipeline: {exc}") from None
     names = [s.name for s in pipeline.stages]
     if not names or len(set(names)) != len(names):
@@ -87,18 +89,19 @@ def _read_stage_file(stage: Stage, base: Path) -> dict[str, Any]:
     for candidate in (Path(stage.config), base / stage.config):
         if candidate.is_file():
             try:
-                return yaml.safe_load(candidate.read_text()) or {}
-            except yaml.YAMLError as exc:
-                raise ConfigError(f"stage {stage.name}: {candidate} is not valid YAML: {exc}") from None
+                return load_yaml(candidate.read_text(), candidate) or {}
+            except ConfigError as exc:
+                raise ConfigError(f"stage {stage.name}: {exc}") from None
     raise ConfigError(f"stage {stage.name}: config file not found: {stage.config} "
                       f"(looked in the working directory and in {base})")
 
 
 def stage_config(stage: Stage, pipeline: Pipeline, previous: str | None, finals: dict[str, str],
-                 base: Path = Path(".")) -> Config:
+                 base: Path = Path("."), extra: list[str] | None = None) -> Config:
+    """`extra`: the command line's overrides, applied to every stage after its own."""
     source = stage.config if isinstance(stage.config, dict) else _read_stage_file(stage, base)
     raw = _substitute(source, finals)
-    overrides = [_substitute(o, finals) for o in stage.overrides]
+    overrides = [_substitute(o, finals) for o in [*stage.overrides, *(extra or [])]]
     overrides.append(f"output_dir={Path(pipeline.output_dir) / stage.name}")
     start = stage.start_from if stage.start_from is not None else previous
     if start not in (None, "none"):
@@ -113,14 +116,23 @@ def stage_config(stage: Stage, pipeline: Pipeline, previous: str | None, finals:
         raise ConfigError(f"stage {stage.name} ({where}): {exc}") from None
 
 
-def plan_pipeline(path: str | Path) -> tuple[Pipeline, list[tuple[Stage, Config]]]:
-    """Every stage's resolved config, validated, before anything runs."""
+def plan_pipeline(path: str | Path, overrides: list[str] | None = None) -> tuple[Pipeline, list[tuple[Stage, Config]]]:
+    """Every stage's resolved config, validated, before anything runs. `overrides` (a.b=value, as
+    for rlft train) apply to every stage; `output_dir=DIR` sets the pipeline's own output_dir."""
     pipeline, base = load_pipeline(path)
+    extra = []
+    for item in overrides or []:
+        apply_override({}, item)  # the syntax, checked with train's parser and messages
+        key, _, value = item.partition("=")
+        if key.strip() == "output_dir":
+            pipeline = pipeline.model_copy(update={"output_dir": value.strip()})
+        else:
+            extra.append(item)
     root = Path(pipeline.output_dir)
     finals: dict[str, str] = {}
     planned, previous = [], None
     for stage in pipeline.stages:
-        cfg = stage_config(stage, pipeline, previous, finals, base)
+        cfg = stage_config(stage, pipeline, previous, finals, base, extra)
         _check_stage(stage, cfg)
         planned.append((stage, cfg))
         finals[stage.name] = str(root / stage.name / "final")
@@ -134,8 +146,9 @@ def _check_stage(stage: Stage, cfg: Config) -> None:
     for field in ("train", "eval"):
         source = getattr(cfg.data, field)
         if source and not source.startswith("hf:") and not Path(source).exists():
-            raise ConfigError(f"stage {stage.name}: data.{field} not found: {source}\n"
-                              "Fix: correct the path (relative paths are read from the working directory)")
+            hint = (f"write it with '/' ({source!r} is a Windows-style path)" if looks_like_windows(source)
+                    else "correct the path (relative paths are read from the working directory)")
+            raise ConfigError(f"stage {stage.name}: data.{field} not found: {source}\nFix: {hint}")
     try:
         preflight(cfg)
     except ConfigError as exc:
@@ -159,11 +172,11 @@ def _completed(stage: Stage, cfg: Config) -> dict[str, Any] | None:
     return summary
 
 
-def run_pipeline(path: str | Path) -> dict[str, Any]:
+def run_pipeline(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
     from rlft.api import train
     from rlft.monitor.console import console
 
-    pipeline, planned = plan_pipeline(path)
+    pipeline, planned = plan_pipeline(path, overrides)
     root = Path(pipeline.output_dir)
     root.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}

@@ -36,8 +36,11 @@ def _read(source: str, split: str, max_row_bytes: int) -> list[Row]:
         return _read_hub(source[3:], split)
     path = Path(source)
     if not path.exists():
-        raise DataError(f"data file not found: {source}\nFix: check data.train / data.eval, or use 'hf:NAME' "
-                        "for a hub dataset")
+        raise DataError(f"data file not found: {source}\nFix: " + (
+            f"{source!r} is written in Windows style (a drive letter or backslashes), which this system does "
+            f"not read as a path; write it with '/', e.g. {windows_to_posix(source)!r}"
+            if looks_like_windows(source) else
+            "check data.train / data.eval, or use 'hf:NAME' for a hub dataset"))
     if path.is_dir():
         return _read_saved_dataset(path, split)
     suffix = path.suffix.lower()
@@ -147,3 +150,18 @@ def _read_hub(name: str, split: str) -> list[Row]:
     except Exception as exc:
         raise DataError(f"hf:{name}: could not load split {split!r}: {exc}") from None
     return [Row(f"hf:{name}[{split}]#{i}", dict(r)) for i, r in enumerate(ds)]
+
+
+def looks_like_windows(source: str) -> bool:
+    """`C:\\data\\x.jsonl`, `data\\x.jsonl`: a path that only means something on Windows (checked
+    where it was not found, on a system whose separator is '/')."""
+    import os
+    import re
+
+    return os.sep == "/" and ("\\" in source or re.match(r"[A-Za-z]:[\\/]", source) is not None)
+
+
+def windows_to_posix(source: str) -> str:
+    import re
+
+    return re.sub(r"^[A-Za-z]:", "", source).replace("\\", "/")

@@ -8,6 +8,7 @@ truncated or dropped silently.
 from __future__ import annotations
 
 import logging
+import math
 from collections import defaultdict
 from typing import Any, Callable, Iterable, TypeVar
 
@@ -88,6 +89,10 @@ def require_field(data: dict[str, Any], name: str, types: type | tuple[type, ...
         raise RowError(f"wrong type for '{name}'", f"expected {names}, got {type(value).__name__}")
     if isinstance(value, (str, list)) and not (value.strip() if isinstance(value, str) else value):
         raise RowError(f"empty '{name}'")
+    if isinstance(value, float) and not math.isfinite(value):
+        # JSON's NaN / Infinity literals parse as floats; a reward would compare against "nan"
+        # (and 'The answer is nan.' would score as correct)
+        raise RowError(f"non-finite '{name}'", f"{value!r}; write a finite number or a string")
     return value
 
 

@@ -37,7 +37,7 @@ from rlft.data.readers import DEFAULT_MAX_ROW_BYTES
 from rlft.errors import ConfigError, RlftError
 from rlft.eval.generation import sample_answers
 from rlft.eval.metrics import WinRate, win_rate
-from rlft.eval.run import load_with_prompts, make_scorer, resolve_model
+from rlft.eval.run import load_with_prompts, make_scorer, resolve_model, warn_if_cut
 from rlft.rewards.scoring import RewardScorer, score_completions
 from rlft.rollout import build_engine
 from rlft.rollout.contract import Completion
@@ -258,6 +258,7 @@ def answer_prompts(model_dir: Path, data: str, cfg: EvalConfig, *, seed: int, sp
     models are never loaded at once."""
     policy, examples = load_with_prompts(model_dir, data, split=split, max_prompt_length=max_prompt_length,
                                          device=device, required_fields=required_fields, max_row_bytes=max_row_bytes)
+    warn_if_cut(cfg, len(examples), data)
     sampler = build_engine(policy, seed, engine, batch_size=cfg.batch_size, vllm=vllm)
     try:
         examples, completions = sample_answers(sampler, examples, cfg, seed)

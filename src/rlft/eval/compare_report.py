@@ -9,22 +9,28 @@ from pathlib import Path
 from typing import Any
 
 from rlft.eval.compare import Comparison
-from rlft.eval.run import data_stem
+from rlft.eval.run import data_stem, write_new
 
 
 def comparison_path(data: str, run_dir: Path | None, out: Path | None) -> Path | None:
-    """--out when given, else RUN/evals/compare-<data stem>.json for a run, else nowhere."""
+    """--out when given, else RUN/evals/compare-<data stem>.json for a run (a later comparison on
+    the same data: compare-<data stem>-2.json, -3, ...; see `write_new`), else nowhere."""
     if out is not None:
         return out
     return None if run_dir is None else run_dir / "evals" / f"compare-{data_stem(data)}.json"
 
 
-def save_comparison(comparison: Comparison, data: str, path: Path, settings: dict[str, Any]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({
+def save_comparison(comparison: Comparison, data: str, path: Path, settings: dict[str, Any],
+                    keep_existing: bool = False) -> Path:
+    """`keep_existing`: a default path under RUN/evals/ never replaces an earlier comparison."""
+    text = json.dumps({
         "target": comparison.target, "baseline": comparison.baseline, "data": data, "judge": comparison.judge,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"), "settings": settings, "metrics": comparison.metrics,
-        "records": comparison.records}, indent=2, default=str))
+        "records": comparison.records}, indent=2, default=str)
+    if keep_existing:
+        return write_new(path.parent, path.stem, text)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
     return path
 
 
@@ -66,6 +72,6 @@ def compare_command(target: Path, baseline: Path | None, data: str, cfg: Any, re
         settings = {"eval": cfg.model_dump(mode="json"), "seed": options.get("seed", 0),
                     "split": options.get("split", "train"),
                     "rewards": [] if judge or judge_model else [r.model_dump(mode="json") for r in rewards]}
-        console.print(f"comparison saved to {save_comparison(comparison, data, path, settings)}")
+        console.print(f"comparison saved to {save_comparison(comparison, data, path, settings, keep_existing=out is None)}")
     console.print(comparison_table(comparison, data))
     return comparison

@@ -35,9 +35,11 @@ def evaluate_model(target: str | Path, data: str, rewards: list[RewardSpec], cfg
                    vllm: VllmSettings | None = None) -> EvalResult:
     model_dir, _ = resolve_model(target)
     scorer = make_scorer(rewards, scoring) if rewards else None
+    check_correct_component(cfg, scorer)  # before the model loads and anything is generated
     policy, examples = load_with_prompts(model_dir, data, split=split, max_prompt_length=max_prompt_length,
                                          device=device, required_fields=scorer.required_fields if scorer else (),
                                          max_row_bytes=max_row_bytes)
+    warn_if_cut(cfg, len(examples), data)
     engine = build_engine(policy, seed, engine, batch_size=cfg.batch_size, vllm=vllm)
     try:
         return evaluate_prompts(engine, examples, cfg, scorer, prefix=prefix, seed=seed)
@@ -65,10 +67,34 @@ def evaluate_suites(target: str | Path, settings: Config, *, device: str = "auto
     return EvalResult(metrics, [{"suite": name, **r} for name, recs in records.items() for r in recs])
 
 
+def warn_if_cut(cfg: EvalConfig, rows: int, data: str) -> None:
+    """Say when eval.max_examples leaves rows out: an accuracy on part of a file must not pass for
+    the accuracy on all of it."""
+    if cfg.max_examples is not None and rows > cfg.max_examples:
+        from rlft.monitor.console import console
+
+        console.print(f"[bold yellow]warning: evaluating the first {cfg.max_examples} of the {rows} rows of {data} "
+                      f"(eval.max_examples={cfg.max_examples}); --max-examples all evaluates every row",
+                      highlight=False)
+
+
+def check_correct_component(cfg: EvalConfig, scorer: RewardScorer | None) -> None:
+    """eval.correct_component must name one of the rewards (or a part `name/part` of a dict reward)."""
+    name = cfg.correct_component
+    if name is None or scorer is None:
+        return
+    names = [n for n, *_ in scorer.components]
+    if not any(name == n or name.startswith(n + "/") for n in names):
+        raise RlftError(f"eval.correct_component {name!r} is not a reward component (rewards: {', '.join(names)}).\n"
+                        f"Fix: name one of them, e.g. eval.correct_component={names[0]}, or leave it unset to use "
+                        "the first reward")
+
+
 def make_scorer(rewards: list[RewardSpec], scoring: ScoringConfig | None = None) -> RewardScorer:
     sc = scoring or ScoringConfig()
     return RewardScorer(rewards, sc.max_workers, timeout_s=sc.timeout_s,
-                        max_consecutive_timeouts=sc.max_consecutive_timeouts, on_error=sc.on_reward_error)
+                        max_consecutive_timeouts=sc.max_consecutive_timeouts, on_error=sc.on_reward_error,
+                        max_abs_reward=sc.max_abs_reward)
 
 
 def load_model_dir(model_dir: Path, device: str = "auto") -> LoadedModel:
@@ -89,22 +115,36 @@ def load_with_prompts(model_dir: Path, data: str, *, split: str = "train", max_p
     return policy, check_rows(read_rows(data, split, max_row_bytes), encode, data, "eval prompt")
 
 
-def run_settings(run_dir: Path) -> Config:
+def run_settings(run_dir: Path, overrides: list[str] | None = None) -> Config:
     """The config a run trained and evaluated with: its rewards, eval, scoring and data settings
     are what `rlft eval RUN` uses unless told otherwise, so its numbers compare with the run's own."""
     from rlft.config import load_config
 
-    return load_config(run_dir / "config.yaml")
+    return load_config(run_dir / "config.yaml", overrides)
 
 
 def save_run_eval(run_dir: Path, data: str, result: EvalResult, settings: dict[str, Any]) -> Path:
     """Keep an evaluation apart from the training summary: `RUN/evals/<data name>.json` with the
-    settings it ran under (a later evaluation of the same data replaces it)."""
-    out = run_dir / "evals" / f"{data_stem(data)}.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"data": data, "created": time.strftime("%Y-%m-%d %H:%M:%S"), "settings": settings,
-                               "metrics": result.metrics}, indent=2, default=str))
-    return out
+    settings it ran under; a later evaluation of the same data goes to `<data name>-2.json`, `-3`,
+    ... (see `write_new`): evaluations with other settings never replace each other."""
+    text = json.dumps({"data": data, "created": time.strftime("%Y-%m-%d %H:%M:%S"), "settings": settings,
+                       "metrics": result.metrics}, indent=2, default=str)
+    return write_new(run_dir / "evals", data_stem(data), text)
+
+
+def write_new(folder: Path, stem: str, text: str) -> Path:
+    """Write `text` to folder/<stem>.json, or the first of <stem>-2.json, <stem>-3.json, ... that
+    does not exist yet (created exclusively: two evaluations finishing together get two files)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while True:
+        path = folder / (f"{stem}.json" if n == 1 else f"{stem}-{n}.json")
+        try:
+            with path.open("x") as f:
+                f.write(text)
+            return path
+        except FileExistsError:
+            n += 1
 
 
 def data_stem(data: str) -> str:

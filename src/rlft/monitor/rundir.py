@@ -156,6 +156,13 @@ class RunDir:
         diffs = _flat_diff(saved, config.model_dump(mode="json"))
         return [k for k in diffs if not any(k == p or k.startswith(p + ".") for p in MAY_CHANGE)]
 
+    def length_changes(self, config: Config) -> list[str]:
+        """'training.epochs 10 -> 2' for each step-count field where `config` differs from the saved
+        config.yaml (a continued run may change them: it then trains to the new count)."""
+        saved = load_config(self.config_path).training
+        return [f"training.{name} {getattr(saved, name)} -> {getattr(config.training, name)}"
+                for name in ("max_steps", "epochs") if getattr(saved, name) != getattr(config.training, name)]
+
     def log_metrics(self, record: dict[str, Any]) -> None:
         if not self.writer:
             return
@@ -221,3 +228,12 @@ def _clean(value: Any) -> Any:
 def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
     with path.open("a") as f:
         f.write(json.dumps(_clean(record)) + "\n")
+
+
+def fresh_dir(root: Path) -> Path:
+    """A directory beside `root` that does not exist yet (root-2, root-3, ...): what an error
+    suggests as another output_dir."""
+    n = 2
+    while (candidate := root.with_name(f"{root.name}-{n}")).exists():
+        n += 1
+    return candidate

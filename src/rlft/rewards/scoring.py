@@ -42,7 +42,7 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from rlft.config import RewardSpec
+from rlft.config import RewardSpec, ScoringConfig
 from rlft.errors import ConfigError, RewardError
 from rlft.rewards.calls import CappedOutput, Outcome, call_all, routed_output
 from rlft.rewards.user_code import (ALLOWED_VALUES, SCORING_FIELDS, as_reward_value, check_user_function,
@@ -152,7 +152,10 @@ def _std(xs: list[float]) -> float:
     if len(xs) < 2:
         return 0.0
     m = _mean(xs)
-    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+    try:
+        return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+    except OverflowError:  # |rewards| near 1e154 and above with scoring.max_abs_reward=null
+        return float("inf")
 
 
 # Metric names the scorer writes under reward/: a component of the same name would collide.
@@ -184,7 +187,8 @@ class RewardScorer:
     def __init__(self, specs: list[RewardSpec], max_workers: int = 8, *, timeout_s: float = 60.0,
                  max_consecutive_timeouts: int | None = 8, on_error: str = "stop",
                  should_stop: Callable[[], bool] | None = None,
-                 warn: Callable[[str], None] | None = log.warning):
+                 warn: Callable[[str], None] | None = log.warning,
+                 max_abs_reward: float | None = ScoringConfig.model_fields["max_abs_reward"].default):
         built = [build_reward(s) for s in specs]
         names = [n for n, _ in built]
         dupes = {n for n in names if names.count(n) > 1}
@@ -200,7 +204,7 @@ class RewardScorer:
                        for name, spec in zip(names, specs)}
         self.max_workers, self.timeout_s = max_workers, timeout_s
         self.max_consecutive_timeouts, self.on_error = max_consecutive_timeouts, on_error
-        self.should_stop, self.warn = should_stop, warn
+        self.should_stop, self.warn, self.max_abs_reward = should_stop, warn, max_abs_reward
         self._tally: dict[str, _Tally] = {}
         self._streak: dict[str, int] = {}  # consecutive timed-out calls per reward, across steps
         # every prompt row must carry these (checked with the data, before training starts)
@@ -325,12 +329,27 @@ class RewardScorer:
             return None
         value, problem = as_reward_value(out.value)
         if problem is None:
+            problem = self._out_of_scale(value)
+        if problem is None:
             return value
         returned, why = problem
         why = f": {why}" if why else ""
         self._fail(name, f" returned {returned} for {where}{why}.\nA reward returns {ALLOWED_VALUES}",
                    short=f"{where}: returned {returned}")
         return None
+
+    def _out_of_scale(self, value: RewardValue) -> tuple[str, str] | None:
+        """A finite value beyond scoring.max_abs_reward (a raw count, a missing scale): as a reward
+        error, since it would swamp every other component and, without std division (Dr. GRPO),
+        turn each update into a sign."""
+        bound = self.max_abs_reward
+        parts = value.values() if isinstance(value, dict) else [value]
+        big = next((v for v in parts if v is not None and abs(v) > bound), None) if bound is not None else None
+        if big is None:
+            return None
+        return (f"{big:g}" if not isinstance(value, dict) else f"dict with a part of {big:g}",
+                f"beyond scoring.max_abs_reward={bound:g} (rewards are expected in a small fixed range such as "
+                "0..1; rescale the reward, or raise scoring.max_abs_reward if such values are meant)")
 
     def _fail(self, name: str, problem: str, short: str = "", force_stop: bool = False) -> None:
         if self.on_error == "stop" or force_stop:

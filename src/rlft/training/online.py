@@ -78,7 +78,7 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
     should_stop = None if world.active else (lambda: session.stop_signal is not None)
     scorer = RewardScorer(config.rewards, sc.max_workers, timeout_s=sc.timeout_s,
                           max_consecutive_timeouts=sc.max_consecutive_timeouts, on_error=sc.on_reward_error,
-                          should_stop=should_stop, warn=None)
+                          should_stop=should_stop, warn=None, max_abs_reward=sc.max_abs_reward)
     needs = scorer.required_fields
     train_rows = read_train_rows(d, config.seed, lambda path: load_prompts(d, policy.tokenizer, path, d.split,
                                                                            "prompt", needs))

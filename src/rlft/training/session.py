@@ -31,11 +31,12 @@ from rlft.monitor.catalogue import preflight
 from rlft.monitor.console import ProgressDisplay, console
 from rlft.monitor.loggers import LoggerGroup, build_loggers
 from rlft.monitor.monitor import Monitor
-from rlft.monitor.rundir import RunDir
+from rlft.monitor.rundir import RunDir, fresh_dir
 from rlft.rewards.calls import ScoringInterrupted
 from rlft.training import checkpoint as ckpt
 from rlft.training.distributed import SINGLE, World, full_state_dict
 from rlft.training.optim import build_optimizer, build_scheduler, clip_gradients
+from rlft.training.threads import set_run_threads
 
 log = logging.getLogger(__name__)
 
@@ -60,17 +61,27 @@ def open_run(config: Config, world: World = SINGLE) -> Iterator[RunDir]:
     continuing it would mix two experiments. (An attempt that stopped before its first checkpoint
     is simply restarted.)"""
     preflight(config)
-    if config.training.num_threads:
-        torch.set_num_threads(config.training.num_threads)
+
+    def say(line: str, warning: bool) -> None:
+        if world.main:
+            console.print(f"[yellow]warning: {escape(line)}" if warning else escape(line), highlight=False)
+
+    set_run_threads(config.training.num_threads, say)
     seed_everything(config.seed)
     run = RunDir(config.output_dir, writer=world.main)  # rank 0 alone writes the run directory
     if world.main:
-        if run.config_path.exists() and ckpt.find_latest(run.checkpoints) is not None:
+        latest = ckpt.find_latest(run.checkpoints) if run.config_path.exists() else None
+        if latest is not None:
             diffs = run.config_changes(config)
             if diffs:
                 raise ResumeError(
                     f"{run.root} already holds a run with a different config ({', '.join(diffs[:5])}).\n"
                     f"Fix: continue it with `rlft train --resume {run.root}`, or choose another output_dir")
+            # said before anything loads: a re-run of a config continues the run in its output_dir
+            changed = run.length_changes(config)
+            console.print(f"{run.root} already holds this run (newest checkpoint {latest.name}): continuing it"
+                          + (f" with {', '.join(changed)}" if changed else "")
+                          + f". To train anew instead, set output_dir={fresh_dir(run.root)}", highlight=False)
         run.create(config)
     world.barrier()  # the other ranks read what rank 0 prepared
     try:
@@ -350,7 +361,8 @@ class TrainingSession:
         if self.step >= self.total_steps:
             raise TrainingHalted(
                 f"nothing to train: {path} is at step {self.step} and the run has {self.total_steps} steps.\n"
-                "Fix: raise training.max_steps / training.epochs to continue training")
+                "Fix: raise training.max_steps / training.epochs to continue this run, or train anew in another "
+                f"directory: output_dir={fresh_dir(self.run.root)}")
         self.print(f"resumed from {path} (step {self.step} of {self.total_steps})")
         if self.display is not None:
             self.display.update(self.step, {})

@@ -34,7 +34,8 @@ class SftObjective:
         sc = scoring or ScoringConfig()
         self.scorer = RewardScorer(rewards, sc.max_workers, timeout_s=sc.timeout_s,
                                    max_consecutive_timeouts=sc.max_consecutive_timeouts,
-                                   on_error=sc.on_reward_error) if rewards else None
+                                   on_error=sc.on_reward_error,
+                                   max_abs_reward=sc.max_abs_reward) if rewards else None
         self.pad_id = 0
 
     def prepare(self, policy: LoadedModel) -> tuple[TrainRows, list[SftExample], dict[str, Any]]:
