@@ -222,6 +222,20 @@ def test_adaptive_kl_raises_beta_when_kl_is_above_target(setup):
     assert rows[-1]["beta"] > rows[1]["beta"]
 
 
+def test_proportional_kl_controller_steps_beta_by_the_sequences_seen(setup):
+    """kl_controller=proportional reaches the loop with its horizon and the global batch's sequence
+    count (4 prompts x 8 = 32): replay Ziegler et al.'s rule on the logged KLs."""
+    cfg = _config(setup, "pkl", training={"max_steps": 3, "precision": "fp32"},
+                  algorithm={"kl_coef": 0.04, "kl_target": 1e-3, "kl_controller": "proportional", "kl_horizon": 100})
+    train(cfg)
+    rows = _metrics(setup / "runs" / "pkl")
+    beta = 0.04
+    for row in rows:
+        assert row["beta"] == pytest.approx(beta, rel=1e-9)
+        beta *= 1 + max(-0.2, min(0.2, row["kl"] / 1e-3 - 1)) * 32 / 100  # at most x/÷ 1.064 a step
+    assert len({round(r["beta"], 12) for r in rows}) == 3  # it moved every step
+
+
 def test_mask_truncated_removes_cut_completions_from_the_loss(setup):
     """max_new_tokens=2: nearly every completion is cut, so masking them leaves (almost) no signal."""
     cfg = _config(setup, "mask-trunc", training={"max_steps": 1}, rollout={"max_new_tokens": 2},
