@@ -124,9 +124,9 @@ class _GradRecorder:
         return True, 0.0
 
 
-def test_micro_batches_give_the_same_gradient(setup):
-    """One update over 32 completions, in one forward or in micro-batches of 5 (sorted by length,
-    re-padded): the same gradient, because every part divides by the global normaliser."""
+def _tiny_batch(setup, **sampling):
+    """The tiny policy, 4 prompts x 8 sampled completions as a batch, and group-norm advantages of
+    a reward (text length mod 3) that varies within every group."""
     from rlft.algorithms import ADVANTAGE_ESTIMATORS
     from rlft.config import LoraConfig, ModelConfig
     from rlft.models.loading import load_policy
@@ -134,17 +134,26 @@ def test_micro_batches_give_the_same_gradient(setup):
     from rlft.rollout.contract import SamplingParams
     from rlft.rollout.batch import RolloutBatch
     from rlft.rollout.hf import HFEngine
-    from rlft.training.rl_update import UpdateSettings, policy_update, token_rewards
+    from rlft.training.rl_update import token_rewards
 
     policy = load_policy(ModelConfig(path=str(setup / "model")), LoraConfig())
     engine = HFEngine(policy.model, policy.tokenizer, end_of_turn_ids(policy.tokenizer), policy.device, seed=0)
     prompts = [encode_prompt(policy.tokenizer, [{"role": "user", "content": f"Count to {i}."}]) for i in range(4)]
-    outs = engine.generate(prompts, SamplingParams(n=8, max_new_tokens=12))
+    outs = engine.generate(prompts, SamplingParams(n=8, **sampling))
     batch = RolloutBatch.from_completions(outs, [o.prompt_index for o in outs], policy.tokenizer.pad_token_id,
                                           policy.device)
     rewards = [float(len(o.text) % 3) for o in outs]
     adv, _ = ADVANTAGE_ESTIMATORS["group_norm"](token_rewards(rewards, batch, None), batch.completion_mask,
                                                 batch.group_ids, torch.ones(len(outs), dtype=torch.bool))
+    return policy, batch, adv
+
+
+def test_micro_batches_give_the_same_gradient(setup):
+    """One update over 32 completions, in one forward or in micro-batches of 5 (sorted by length,
+    re-padded): the same gradient, because every part divides by the global normaliser."""
+    from rlft.training.rl_update import UpdateSettings, policy_update
+
+    policy, batch, adv = _tiny_batch(setup, max_new_tokens=12)
     grads = []
     for micro in (None, 5):
         for agg in ("token_mean", "sequence_mean", "constant"):
@@ -237,15 +246,48 @@ def test_proportional_kl_controller_steps_beta_by_the_sequences_seen(setup):
 
 
 def test_mask_truncated_removes_cut_completions_from_the_loss(setup):
-    """max_new_tokens=2: nearly every completion is cut, so masking them leaves (almost) no signal."""
+    """max_new_tokens=2: every completion is cut, so masking leaves no signal and the run's update
+    is skipped, weights unchanged. The precondition is asserted: the test used to check only `if`
+    every completion was cut, and with seed 0 one of 32 stopped, so it checked nothing. Seed 1
+    cuts all 32; the mixed case is the gradient test below."""
     cfg = _config(setup, "mask-trunc", training={"max_steps": 1}, rollout={"max_new_tokens": 2},
                   algorithm={"mask_truncated": True, "kl_coef": 0.0})
+    cfg["seed"] = 1
     train(cfg)
     row = _metrics(setup / "runs" / "mask-trunc")[0]
-    if row["completion/truncation_rate"] == 1.0:
-        assert row.get("update/skipped_no_signal") == 1.0
-        before, after = _weights(setup / "model"), _weights(setup / "runs" / "mask-trunc" / "final")
-        assert all(torch.equal(before[k], after[k]) for k in before)
+    assert row["completion/truncation_rate"] == 1.0, "precondition: every completion cut (try another seed)"
+    assert row["update/skipped_no_signal"] == 1.0 and row["update/optimizer_steps"] == 0.0
+    before, after = _weights(setup / "model"), _weights(setup / "runs" / "mask-trunc" / "final")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_mask_truncated_gradient_is_that_of_the_uncut_rows_alone(setup):
+    """On a batch with cut and uncut completions (a stop string ends some early): the masked update's
+    gradient equals the unmasked gradient of the uncut rows alone (their tokens are the normaliser),
+    and differs from the unmasked gradient of the whole batch, so the cut rows did count before."""
+    from rlft.training.rl_update import UpdateSettings, policy_update
+
+    policy, batch, adv = _tiny_batch(setup, max_new_tokens=8, stop=("a",))
+    cut = batch.truncated
+    assert 0 < int(cut.sum()) < batch.size  # mixed rows (22 stopped, 10 cut for seed 0)
+    assert (adv[cut] != 0).any() and (adv[~cut] != 0).any()  # both kinds carry signal
+
+    def grad(rows, mask_truncated):
+        cfg = load_config(_config(setup, "unused", training={"precision": "fp32"},
+                                  algorithm={"mask_truncated": mask_truncated, "kl_coef": 0.0}))
+        recorder = _GradRecorder(policy)
+        policy_update(recorder, batch.select(rows), adv[rows], None, 0.0, UpdateSettings.from_config(cfg),
+                      torch.Generator())
+        return recorder.grads[0]
+
+    everything = torch.arange(batch.size)
+    masked, uncut_only, unmasked = grad(everything, True), grad(everything[~cut], False), grad(everything, False)
+    assert masked.keys() == uncut_only.keys() and masked
+    for name in masked:
+        scale = float(uncut_only[name].abs().max())
+        torch.testing.assert_close(masked[name], uncut_only[name], rtol=1e-5, atol=1e-6 * scale)
+    differs = [name for name in masked if not torch.allclose(masked[name], unmasked[name], rtol=1e-2, atol=1e-6)]
+    assert len(differs) > len(masked) // 2
 
 
 def test_eval_command_writes_pass_at_k_next_to_the_run(setup):
