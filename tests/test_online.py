@@ -179,14 +179,83 @@ def test_mu_epochs_and_minibatches(setup):
     assert max(r["ratio/max"] for r in rows) > 1.0 + 1e-4
 
 
-@pytest.mark.parametrize("method", ["dr_grpo", "dapo", "rloo", "reinforce_pp"])
-def test_presets_train(setup, method):
-    cfg = _config(setup, method, training={"max_steps": 2})
+# What each preset stands for (config.py's PRESETS cite the papers), written out here so a changed
+# preset fails this test instead of being read back from itself. rollout.max_new_tokens is 12.
+PRESET_PROMISES = {
+    "dr_grpo": dict(advantage="group_mean", loss_agg="constant", loss_constant=12, kl_coef=0.0, clip_low=0.2,
+                    clip_high=0.2, dynamic_sampling=False),
+    "dapo": dict(advantage="group_norm", loss_agg="token_mean", kl_coef=0.0, clip_low=0.2, clip_high=0.28,
+                 dynamic_sampling=True),
+    "rloo": dict(advantage="rloo", loss_agg="token_mean", kl_coef=0.05, kl_in="reward", kl_estimator="k1",
+                 clip_low=0.2, clip_high=0.2, dynamic_sampling=False),
+    "reinforce_pp": dict(advantage="reinforce_pp", loss_agg="token_mean", kl_coef=0.01, kl_in="reward",
+                         kl_estimator="k1", clip_low=0.2, clip_high=0.2, dynamic_sampling=False),
+}
+
+
+@pytest.mark.parametrize("method", list(PRESET_PROMISES))
+def test_presets_train(setup, method, monkeypatch):
+    """Each preset resolves to the algorithm it promises, takes one real optimizer step per rollout
+    step (counted at the session, not read from a metric) with a non-zero gradient, and moves the
+    weights. (It used to check only grad_norm > 0 over rows filtered by `update/optimizer_steps`:
+    a run with no optimizer step passed.) With the KL in the reward (rloo, reinforce_pp), the
+    token rewards the advantage estimator sees are the sequence reward minus beta x k1 against the
+    starting weights, and the logged `kl` is the mean of that k1."""
+    from rlft.training import online
+    from rlft.training.session import TrainingSession
+
+    steps, seen = [], []
+    session_step = TrainingSession.optimizer_step
+
+    def counted_step(self, loss_value):
+        applied, norm = session_step(self, loss_value)
+        steps.append((applied, norm))
+        return applied, norm
+
+    def recorded_token_rewards(rewards, batch, kl_penalty):
+        out = online_token_rewards(rewards, batch, kl_penalty)
+        seen.append((list(rewards), batch, None if kl_penalty is None else kl_penalty.clone(), out.clone()))
+        return out
+
+    online_token_rewards = online.token_rewards
+    monkeypatch.setattr(TrainingSession, "optimizer_step", counted_step)
+    monkeypatch.setattr(online, "token_rewards", recorded_token_rewards)
+    cfg = _config(setup, method, training={"max_steps": 2, "precision": "fp32"})
     cfg["method"] = method
     summary = train(cfg)
     assert summary["status"] == "completed"
-    rows = _metrics(setup / "runs" / method)
-    assert len(rows) == 2 and all(r["grad_norm"] > 0 for r in rows if r.get("update/optimizer_steps"))
+    run = setup / "runs" / method
+    resolved = load_config(run / "config.yaml").algorithm  # what the run used
+    assert {k: getattr(resolved, k) for k in PRESET_PROMISES[method]} == PRESET_PROMISES[method]
+
+    rows = _metrics(run)
+    assert len(rows) == 2 and [r["update/optimizer_steps"] for r in rows] == [1.0, 1.0]
+    assert len(steps) == 2 and all(applied and norm > 0 for applied, norm in steps)
+    assert [r["grad_norm"] for r in rows] == pytest.approx([norm for _, norm in steps], rel=1e-6)
+    before, after = _weights(setup / "model"), _weights(run / "final")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+    assert len(seen) == 2
+    if resolved.kl_in != "reward":
+        assert all(penalty is None for _, _, penalty, _ in seen)
+        return
+    from rlft.config import LoraConfig, ModelConfig
+    from rlft.models.loading import load_policy
+    from rlft.training.rl_update import batch_logprobs
+
+    start = load_policy(ModelConfig(path=str(setup / "model"), dtype="fp32"), LoraConfig()).model  # the reference
+    for row, (rewards, batch, penalty, token_rewards) in zip(rows, seen):
+        mask = batch.completion_mask
+        k1 = torch.where(mask, batch.sampling_logprobs - batch_logprobs(start, batch, 1.0, None), 0.0)  # [N, T]
+        torch.testing.assert_close(penalty.where(mask, 0.0), row["beta"] * k1, rtol=1e-4, atol=1e-7)
+        assert row["kl"] == pytest.approx(float(k1.sum() / mask.sum()), rel=1e-4, abs=1e-7)
+        # what the update sees: each sequence reward on its last token, beta x k1 taken off every token
+        expected = -row["beta"] * k1
+        last = mask.sum(-1) - 1
+        expected[torch.arange(batch.size), last] += torch.tensor(rewards)
+        torch.testing.assert_close(token_rewards, expected.float(), rtol=1e-4, atol=1e-6)
+    assert rows[0]["beta"] == resolved.kl_coef
+    assert float((seen[1][2].abs() * seen[1][1].completion_mask).max()) > 1e-4  # step 2: the policy has moved
 
 
 def test_unverifiable_rewards_are_counted_and_stop_the_run(setup):
