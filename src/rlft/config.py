@@ -215,8 +215,9 @@ class AlgorithmConfig(Section):
                           "steps beta by 1 + clip(KL/kl_target - 1, -0.2, 0.2) x sequences/kl_horizon each step "
                           "(Ziegler et al., arXiv:1909.08593; as in veRL and OpenRLHF).")
     kl_horizon: int | None = Field(
-        None, gt=0, description="Adaptive KL, kl_controller=proportional: sequences over which beta moves by at most "
-                                "about 22% (K_beta = sequences per step / kl_horizon; Ziegler et al. use 10000).")
+        None, gt=0, description="Adaptive KL, kl_controller=proportional: sequences over which beta changes by at "
+                                "most a factor of about e^0.2 = 1.22 (K_beta = sequences per step / kl_horizon; "
+                                "Ziegler et al.'s code uses 10000).")
     entropy_coef: float | None = Field(None, ge=0, description="Entropy bonus coefficient.")
     loss_agg: Literal["token_mean", "sequence_mean", "constant"] | None = Field(
         None, description="Loss aggregation over the global batch.")

@@ -118,7 +118,7 @@ class ProportionalKLController:
     The paper uses K_beta = 0.1; its code (lm-human-preferences, as veRL and OpenRLHF) sets
     K_beta = n_samples / horizon, with n_samples the sequences in the step's batch, so the rate
     of adaptation is per sample seen, not per step: beta changes by at most a factor of about
-    e^0.2 (+-22%) per `horizon` samples.
+    e^0.2 = 1.22 (up or down) per `horizon` samples.
     """
 
     def __init__(self, beta: float, target: float, horizon: float = 10_000):
