@@ -92,7 +92,7 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
         raise ConfigError(f"eval.correct_component {correct!r} (per-source accuracy) is not a reward component; "
                           f"choose one of {components}")
     engine = rollout_engine(config.rollout, policy.unsharded(), config.seed, sample_dtype)  # whole weights
-    kl_ctl = make_kl_controller(a.kl_coef, a.kl_target, a.kl_adapt_factor)
+    kl_ctl = make_kl_controller(a.kl_coef, a.kl_target, a.kl_adapt_factor, a.kl_controller, a.kl_horizon)
     sampler = PromptSampler(len(train_rows), config.seed, d.shuffle, order=train_rows.order)
     update_gen = torch.Generator().manual_seed(config.seed)
     total = config.training.max_steps or config.training.epochs * math.ceil(len(train_rows) /
@@ -221,8 +221,8 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
         update.update(critic.update(session, batch, generator, policy_trained=train_policy))
     metrics.update(update)
     metrics["nonfinite_skipped"] = float(session.nonfinite_total)
-    if "kl" in metrics:
-        kl_ctl.update(metrics["kl"])
+    if "kl" in metrics:  # measured on every sequence of the global batch
+        kl_ctl.update(metrics["kl"], int(mask_g.shape[0]))
     metrics["time/train"] = time.perf_counter() - start
     return metrics
 
