@@ -39,7 +39,7 @@ def root(tmp_path_factory) -> Path:
     return root
 
 
-def config(root: Path, method: str, name: str, lora: bool = False, **training) -> Path:
+def config(root: Path, method: str, name: str, lora: bool = False, held_out: bool = False, **training) -> Path:
     cfg = {"method": method, "output_dir": str(root / name), "seed": 0,
            "model": {"path": str(root / "model"), "device": "cpu"},
            "lora": {"enabled": lora, "r": 4, "alpha": 8, "dropout": 0.0},
@@ -51,8 +51,13 @@ def config(root: Path, method: str, name: str, lora: bool = False, **training) -
     if method == "sft":
         cfg["data"] = {"train": str(root / "sft.jsonl"), "max_length": 64, "shuffle": False}
         cfg["training"].setdefault("batch_size", 8)
+        if held_out:  # eval loss plus greedy generations
+            cfg["data"]["eval"] = str(root / "sft.jsonl")
+            cfg["eval"] = {"max_new_tokens": 4, "max_examples": 4}
     elif method == "dpo":
         cfg["data"] = {"train": str(root / "pairs.jsonl"), "max_length": 96}
+        if held_out:
+            cfg["data"]["eval"] = str(root / "pairs.jsonl")
         cfg["training"].setdefault("batch_size", 4)
     else:
         cfg["data"] = {"train": str(root / "prompts.jsonl")}
@@ -143,6 +148,29 @@ def test_each_rank_samples_on_its_own_vllm_engine(root, two_ranks):
     rows = metrics(root / "grpo-vllm-2")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["rollout/logprob_diff_max"] < 1e-3 for r in rows), [r["rollout/logprob_diff_max"] for r in rows]
+
+
+def test_full_fine_tunes_checkpoint_after_a_held_out_eval(root):
+    """Issue 23: a held-out eval of a full fine-tune on two ranks (SFT, DPO) ran the sharded model
+    forward with no backward after it, which leaves FSDP's root unit unsharded; the checkpoint
+    after it then died with KeyError: 0 in get_optimizer_state_dict. Trained with an eval and a
+    checkpoint after every step (fp32, so the resume compares numbers), then SFT resumed to step 3."""
+    more = config(root, "sft", "sft-eval-2", held_out=True, max_steps=3, eval_every=1, precision="fp32")
+    more = more.rename(root / "sft-eval-2-more.yaml")  # the same run, one step longer: it resumes
+    runs = [config(root, m, f"{m}-eval-2", held_out=True, max_steps=2, eval_every=1, precision="fp32")
+            for m in ("sft", "dpo")]
+    done = launch(*runs, more, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name, steps in (("sft-eval-2", [1, 2, 3]), ("dpo-eval-2", [1, 2])):
+        run = root / name
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["step"] == steps[-1], summary
+        assert (run / "final" / "model.safetensors").is_file()
+        assert (run / "checkpoints" / f"step-{steps[-1]:08d}" / "dcp").is_dir()
+        rows = metrics(run)
+        assert [r["step"] for r in rows] == steps
+        assert all("eval/loss" in r for r in rows)
+    assert "resumed from" in done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])

@@ -155,6 +155,19 @@ def shard(model: torch.nn.Module, world: World) -> torch.nn.Module:
     return model
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Register the shards again as every FSDP unit's parameters (a no-op where they already are).
+    FSDP2 keeps the root unit's whole parameters after a forward, for the backward that follows
+    in training; a forward with no backward after it (a held-out eval, reference log-probs, a
+    frozen backbone) leaves them registered, and the optimizer, which holds the shards, then
+    finds parameters it does not know (get_optimizer_state_dict: KeyError)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def gather_rows(world: World, *tensors: torch.Tensor) -> tuple[list[torch.Tensor], tuple[int, int]]:
     """Every rank's rows of each tensor ([N_r] or [N_r, T_r]; 2-D ones right-padded with zeros to
     the longest T), concatenated in rank order -- the global batch, on every rank -- and this
