@@ -17,7 +17,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import DIGITS_REWARD
+from conftest import DIGITS_REWARD, assert_clean_user_error, run_main
 from rlft.demo.arithmetic import preference_rows, split_problems
 from rlft.models.tiny import build_tiny_model
 
@@ -213,3 +213,182 @@ def test_a_dead_rank_ends_the_job_instead_of_hanging_it(root):
     assert proc.returncode != 0
     assert time.time() - started < 60  # well within dist_timeout_s (60): torchrun saw it die
     assert "exitcode  : -9" in err or "Signal 9" in err or "SIGKILL" in err, err[-2000:]
+
+
+def parents() -> dict[int, int]:
+    """Every process's parent, from /proc."""
+    out = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            out[int(entry.name)] = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def children_of(pid: int) -> list[int]:
+    return [p for p, parent in parents().items() if parent == pid]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, their children...)."""
+    tree = parents()
+    out, todo = [], [pid]
+    while todo:
+        pid = todo.pop()
+        kids = [p for p, parent in tree.items() if parent == pid]
+        out += kids
+        todo += kids
+    return out
+
+
+def alive(pids: list[int]) -> list[int]:
+    """The pids still running (a zombie, dead but not yet reaped, counts as gone)."""
+    out = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.append(pid)
+    return out
+
+
+def start_cli_run(root: Path, name: str) -> subprocess.Popen:
+    """`rlft train --nproc 2` of a long SFT run with no checkpoint due (the only one is what a stop
+    saves)."""
+    cfg = config(root, "sft", name, max_steps=1000, epochs=1000)
+    raw = yaml.safe_load(cfg.read_text())
+    raw["checkpoint"]["every"] = 1000
+    cfg.write_text(yaml.safe_dump(raw))
+    with open(root / f"{name}.log", "w") as log:  # a file, not a pipe: an orphaned rank would hold that open
+        return subprocess.Popen([sys.executable, "-m", "rlft", "train", "--nproc", "2", str(cfg)], env=ENV,
+                                stdout=log, stderr=subprocess.STDOUT)
+
+
+def after_first_step(proc: subprocess.Popen, run: Path) -> list[int]:
+    """Once the run has logged a step: the processes below the launcher (torchrun, the ranks)."""
+    deadline = time.time() + 240
+    while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().strip()):
+        assert proc.poll() is None and time.time() < deadline, Path(f"{run}.log").read_text()[-3000:]
+        time.sleep(0.2)
+    below = descendants(proc.pid)
+    assert len(below) >= 3, below  # torchrun and two ranks
+    return below
+
+
+def wait_gone(pids: list[int], within: float) -> None:
+    deadline = time.time() + within
+    while alive(pids) and time.time() < deadline:
+        time.sleep(0.2)
+    left = alive(pids)
+    for pid in left:  # leave no stray processes behind a failed test
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"still running {within:g} s later: {left}"
+
+
+def test_sigterm_to_the_launcher_stops_every_rank_with_a_checkpoint(root):
+    """Issue 23: SIGTERM to `rlft train --nproc 2` killed torchrun and left both ranks training as
+    orphans holding the run lock. Now it goes through torchrun to every rank, which saves a
+    checkpoint and stops, as one process does (status 143, no torchrun traceback)."""
+    proc, run = start_cli_run(root, "cli-sigterm"), root / "cli-sigterm"
+    below = after_first_step(proc, run)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        wait_gone(below, within=10)
+    out = Path(f"{run}.log").read_text()
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM", summary
+    assert (run / "checkpoints" / f"step-{summary['step']:08d}" / "COMPLETE").is_file()
+
+
+RANK = """
+import os, sys, time
+from rlft.torchrun import watch_parent
+
+watch_parent(grace_s=5, poll_s=0.2)
+open(os.path.join(sys.argv[1], os.environ["RANK"]), "w").close()
+time.sleep(300)
+"""
+
+
+def test_a_stopped_or_killed_launcher_leaves_no_rank_behind(tmp_path):
+    """Issue 23: a SIGKILLed launcher left torchrun and the ranks running. Now torchrun gets
+    SIGTERM when the launcher dies (and passes it to the ranks); a rank whose torchrun is killed
+    too ends itself (its parent watch); a SIGINT to the launcher (Ctrl-C) reaches every rank.
+    Stand-in ranks that only sleep (this is about processes); the three launches run at once."""
+    (tmp_path / "rank.py").write_text(RANK)
+    cases = ["SIGINT", "SIGKILL launcher", "SIGKILL launcher and torchrun"]
+    launchers = {}
+    for case in cases:
+        ready = tmp_path / case.replace(" ", "-")
+        ready.mkdir()
+        entry = [str(tmp_path / "rank.py"), str(ready)]
+        launchers[case] = subprocess.Popen(
+            [sys.executable, "-c", f"import sys; from rlft.launch import run_torchrun; sys.exit(run_torchrun(2, {entry!r}, 30))"],
+            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    below: dict[str, list[int]] = {}
+    try:
+        deadline = time.time() + 120
+        for case, launcher in launchers.items():
+            ready = tmp_path / case.replace(" ", "-")
+            while not ((ready / "0").exists() and (ready / "1").exists()):
+                assert launcher.poll() is None and time.time() < deadline, launcher.communicate()[0][-3000:]
+                time.sleep(0.1)
+            below[case] = descendants(launcher.pid)
+            assert len(below[case]) == 3, below  # torchrun and two ranks
+        launchers["SIGINT"].send_signal(signal.SIGINT)
+        launchers["SIGKILL launcher"].kill()
+        os.kill(children_of(launchers["SIGKILL launcher and torchrun"].pid)[0], signal.SIGKILL)
+        launchers["SIGKILL launcher and torchrun"].kill()
+        assert launchers["SIGINT"].wait(timeout=60) == 128 + signal.SIGINT
+        for case in cases:
+            launchers[case].wait(timeout=60)
+            wait_gone(below[case], within=20)
+    finally:  # a failed test leaves nothing running
+        for launcher in launchers.values():
+            if launcher.poll() is None:
+                launcher.kill()
+        for pid in alive([p for pids in below.values() for p in pids]):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def no_torchrun(monkeypatch) -> list:
+    """Launches that got past the launcher's checks (recorded, not started)."""
+    started = []
+    monkeypatch.setattr("rlft.launch.run_torchrun", lambda *args: started.append(args) or 0)
+    return started
+
+
+def test_the_launcher_checks_the_run_once_before_starting_ranks(root, monkeypatch, capsys, no_torchrun):
+    """Issue 23: --nproc 64 on 2 cores started 64 ranks, and a missing config or data file under
+    --nproc 8 printed its error once per rank, then torchrun's 60-line traceback. The launcher now
+    checks first: one `error:` line, status 2, no rank started."""
+    cfg = config(root, "sft", "checked")
+    cores = len(os.sched_getaffinity(0))
+    too_many = assert_clean_user_error(run_main(monkeypatch, capsys, "train", "--nproc", str(cores + 1), str(cfg)))
+    assert f"--nproc {cores} or fewer" in too_many
+    missing = assert_clean_user_error(run_main(monkeypatch, capsys, "train", "--nproc", "2", str(root / "nope.yaml")))
+    assert "config file not found" in missing
+    no_data = assert_clean_user_error(run_main(monkeypatch, capsys, "train", "--nproc", "2", str(cfg),
+                                               f"data.eval={root / 'missing.jsonl'}"))
+    assert "missing.jsonl" in no_data and "data.eval" in no_data
+    no_model = assert_clean_user_error(run_main(monkeypatch, capsys, "train", "--nproc", "2", str(cfg),
+                                                f"model.path={root / 'no-model'}"))
+    assert "no-model" in no_model
+    assert no_torchrun == []
+    # a run that passes is started once, with the memory plan's warning printed by the launcher
+    monkeypatch.setattr("rlft.cli_plan._available_ram", lambda: 1 << 20)  # 1 MiB of RAM left
+    ok = run_main(monkeypatch, capsys, "train", "--nproc", "2", str(cfg))
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert len(no_torchrun) == 1 and no_torchrun[0][1] == ["-m", "rlft", "train", str(cfg)]
+    assert (ok.stdout + ok.stderr).count("memory plan") == 1
+    assert "split over 2 ranks" in ok.stdout + ok.stderr

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from rlft.errors import RlftError
+from rlft.torchrun import watch_parent
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ def init_world(device_type: str, timeout_s: float) -> World:
         return SINGLE
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     os.environ["RLFT_DIST_TIMEOUT_S"] = str(timeout_s)  # for the CLI's message if a peer dies
+    watch_parent(timeout_s)
     if not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
         if device_type == "cuda":
