@@ -114,16 +114,23 @@ RUNS = [("sft", False), ("sft", True), ("dpo", False), ("grpo", False), ("grpo",
 
 @pytest.fixture(scope="module")
 def two_ranks(root) -> subprocess.CompletedProcess:
-    """Every method of RUNS trained on two ranks, then GRPO with a vLLM engine per rank (one
+    """Every method of RUNS trained on two ranks, the full fine-tunes with a held-out eval (and SFT
+    resumed), then GRPO with the real engines: the HF engine, and a vLLM engine per rank (one
     torchrun: the processes start once; the vLLM run last, since an engine leaves its process
     group behind it when it closes)."""
     runs = [config(root, m, f"{m}{'-lora' if lora else ''}-2", lora) for m, lora in RUNS]
-    vllm = config(root, "grpo", "grpo-vllm-2")
+    # the same run as sft-eval-2, one step longer: it resumes from sft-eval-2's last checkpoint
+    more = config(root, "sft", "sft-eval-2", held_out=True, max_steps=3, eval_every=1, precision="fp32")
+    more = more.rename(root / "sft-eval-2-more.yaml")
+    held_out = [config(root, m, f"{m}-eval-2", held_out=True, max_steps=2, eval_every=1, precision="fp32")
+                for m in ("sft", "dpo")]
+    hf = config(root, "grpo", "grpo-hf-2", precision="fp32")
+    vllm = config(root, "grpo", "grpo-vllm-2", precision="fp32")
     cfg = yaml.safe_load(vllm.read_text())
     cfg["rollout"].update(engine="vllm", vllm={"kv_cache_bytes": 1 << 26})
     vllm.write_text(yaml.safe_dump(cfg))
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           DRIVER, "replay", *map(str, runs), "vllm:" + str(vllm)],
+                           DRIVER, "replay", *map(str, runs + held_out + [more]), f"real:{hf}", str(vllm)],
                           capture_output=True, text=True, timeout=900, env=ENV)
 
 
@@ -150,17 +157,12 @@ def test_each_rank_samples_on_its_own_vllm_engine(root, two_ranks):
     assert all(r["rollout/logprob_diff_max"] < 1e-3 for r in rows), [r["rollout/logprob_diff_max"] for r in rows]
 
 
-def test_full_fine_tunes_checkpoint_after_a_held_out_eval(root):
+def test_full_fine_tunes_checkpoint_after_a_held_out_eval(root, two_ranks):
     """Issue 23: a held-out eval of a full fine-tune on two ranks (SFT, DPO) ran the sharded model
     forward with no backward after it, which leaves FSDP's root unit unsharded; the checkpoint
     after it then died with KeyError: 0 in get_optimizer_state_dict. Trained with an eval and a
-    checkpoint after every step (fp32, so the resume compares numbers), then SFT resumed to step 3."""
-    more = config(root, "sft", "sft-eval-2", held_out=True, max_steps=3, eval_every=1, precision="fp32")
-    more = more.rename(root / "sft-eval-2-more.yaml")  # the same run, one step longer: it resumes
-    runs = [config(root, m, f"{m}-eval-2", held_out=True, max_steps=2, eval_every=1, precision="fp32")
-            for m in ("sft", "dpo")]
-    done = launch(*runs, more, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    checkpoint after every step, then SFT resumed from its step-2 checkpoint to step 3."""
+    assert two_ranks.returncode == 0, two_ranks.stderr[-3000:]
     for name, steps in (("sft-eval-2", [1, 2, 3]), ("dpo-eval-2", [1, 2])):
         run = root / name
         summary = json.loads((run / "summary.json").read_text())
@@ -170,7 +172,19 @@ def test_full_fine_tunes_checkpoint_after_a_held_out_eval(root):
         rows = metrics(run)
         assert [r["step"] for r in rows] == steps
         assert all("eval/loss" in r for r in rows)
-    assert "resumed from" in done.stdout + done.stderr
+    assert "(step 2 of 3)" in " ".join(two_ranks.stderr.split())  # resumed, not started again
+
+
+def test_each_rank_samples_from_the_trained_weights_with_the_hf_engine(root, two_ranks):
+    """Issue 24: the two-rank runs above sample with a stand-in engine whose sync_weights does
+    nothing. With the real HF engine each rank samples from its whole copy of the policy, which
+    must be brought up to the trained shards after every optimizer step: the trainer's log-probs
+    of the sampled tokens (before the update) then equal the engine's, at fp32 to summation-order
+    noise. A stale copy differs after step 1 by what one update at lr 1e-3 moves."""
+    assert two_ranks.returncode == 0, two_ranks.stderr[-3000:]
+    rows = metrics(root / "grpo-hf-2")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows), [r["rollout/logprob_diff_max"] for r in rows]
 
 
 @pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
