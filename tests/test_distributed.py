@@ -345,9 +345,9 @@ def test_a_stopped_or_killed_launcher_leaves_no_rank_behind(tmp_path):
         ready = tmp_path / case.replace(" ", "-")
         ready.mkdir()
         entry = [str(tmp_path / "rank.py"), str(ready)]
-        launchers[case] = subprocess.Popen(
-            [sys.executable, "-c", f"import sys; from rlft.launch import run_torchrun; sys.exit(run_torchrun(2, {entry!r}, 30))"],
-            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        launch = f"import sys; from rlft.launch import run_torchrun; sys.exit(run_torchrun(2, {entry!r}, 30))"
+        launchers[case] = subprocess.Popen([sys.executable, "-c", launch], env=ENV, stdout=subprocess.PIPE,
+                                           stderr=subprocess.STDOUT, text=True)
     below: dict[str, list[int]] = {}
     try:
         deadline = time.time() + 120
@@ -390,7 +390,8 @@ def test_the_launcher_checks_the_run_once_before_starting_ranks(root, monkeypatc
     cores = len(os.sched_getaffinity(0))
     too_many = assert_clean_user_error(run_main(monkeypatch, capsys, "train", "--nproc", str(cores + 1), str(cfg)))
     assert f"--nproc {cores} or fewer" in too_many
-    missing = assert_clean_user_error(run_main(monkeypatch, capsys, "train", "--nproc", "2", str(root / "nope.yaml")))
+    missing = assert_clean_user_error(run_main(monkeypatch, capsys, "train", "--nproc", "2",
+                                               str(root / "nope.yaml")))
     assert "config file not found" in missing
     no_data = assert_clean_user_error(run_main(monkeypatch, capsys, "train", "--nproc", "2", str(cfg),
                                                f"data.eval={root / 'missing.jsonl'}"))
