@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
+from rlft import paths
 from rlft.errors import ConfigError
 from rlft.monitor.settings import LoggerSettings, MonitorConfig
 from rlft.section import Section
@@ -49,6 +50,18 @@ class ModelConfig(Section):
                             "them (QLoRA; needs lora.enabled, a CUDA GPU and `pip install 'rlft[qlora]'`). "
                             "final/ then holds the adapter only (see the README).")
 
+    @field_validator("path", "tokenizer_path")
+    @classmethod
+    def _model_location(cls, value: str | None, info: Any) -> str | None:
+        return None if value is None else paths.existing(_local(value, f"model.{info.field_name}"))
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_location(cls, value: str | None) -> str | None:
+        if value is None or "{" in value:
+            return value
+        return paths.existing(_local(value, "model.chat_template"))
+
 
 class LoraConfig(Section):
     enabled: bool = Field(False, description="Train LoRA adapters (peft) instead of all weights.")
@@ -66,6 +79,11 @@ class MixSource(Section):
     name: str | None = Field(None, description="Name in per-source metrics (default: the file's stem).")
     weight: float | None = Field(None, gt=0, description="Share of each epoch, relative to the other weights.")
     rows: int | None = Field(None, ge=1, description="Exact rows of this source per epoch.")
+
+    @field_validator("path")
+    @classmethod
+    def _data_location(cls, value: str) -> str:
+        return paths.data_location(_local(value, "data.train[].path"))
 
     @model_validator(mode="after")
     def _one_of(self) -> "MixSource":
@@ -93,6 +111,13 @@ class DataConfig(Section):
         8 << 20, ge=1, description="Rows larger than this (bytes of the JSON line, or of a row's text) are invalid "
                                    "rows, rejected before they are parsed or tokenized (a 50 MB line would take "
                                    "minutes and gigabytes). 8 MiB leaves room for large test suites of code tasks.")
+
+    @field_validator("train", "eval")
+    @classmethod
+    def _data_location(cls, value: Any, info: Any) -> Any:
+        if not isinstance(value, str):
+            return value  # a list of sources: each MixSource resolves its own path
+        return paths.data_location(_local(value, f"data.{info.field_name}"))
 
 
 class TrainingConfig(Section):
@@ -231,6 +256,11 @@ class AlgorithmConfig(Section):
     sft_mix_coef: float = Field(0.1, ge=0, description="Weight of the sft_mix NLL (mean per token) in the loss.")
     sft_mix_batch_size: int = Field(8, ge=1, description="sft_mix rows per optimizer step.")
 
+    @field_validator("sft_mix")
+    @classmethod
+    def _data_location(cls, value: str | None) -> str | None:
+        return None if value is None else paths.data_location(_local(value, "algorithm.sft_mix"))
+
 
 _BASE_PRESET: dict[str, Any] = dict(
     advantage="group_norm", std_floor=1e-4, clip_low=0.2, clip_high=0.2, dual_clip=None,
@@ -277,12 +307,33 @@ class CriticConfig(Section):
     warmup_steps: int = Field(0, ge=0, description="First rollout steps that train the critic only (policy frozen).")
     whiten_advantages: bool = Field(True, description="Normalise GAE advantages over the batch's valid tokens.")
 
+    @field_validator("path")
+    @classmethod
+    def _model_location(cls, value: str | None) -> str | None:
+        return None if value is None else paths.existing(_local(value, "critic.path"))
+
 
 class RewardSpec(Section):
     fn: str = Field(description="Built-in name (math, exact_match, regex, json_fields, ...) or 'module:function' / 'file.py:function'.")
     name: str | None = Field(None, description="Component name in logs (default: derived from fn).")
     weight: float = Field(1.0, description="Weight in the weighted sum of components.")
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for a built-in reward's factory.")
+
+    @field_validator("fn")
+    @classmethod
+    def _file_ref(cls, value: str) -> str:
+        target, sep, _ = value.rpartition(":")
+        if sep and target.endswith(".py"):
+            _local(target, f"reward {value!r}")
+        return paths.function_ref(value)
+
+    @field_validator("args")
+    @classmethod
+    def _reward_model_path(cls, args: dict[str, Any], info: Any) -> dict[str, Any]:
+        path = args.get("path") if info.data.get("fn") == "reward_model" else None
+        if isinstance(path, str):  # the built-in reward model's weights: a folder or a hub id
+            return {**args, "path": paths.existing(_local(path, "reward_model args.path"))}
+        return args
 
     @property
     def component(self) -> str:
@@ -360,6 +411,16 @@ class EvalSuite(Section):
     answer: str | None = Field(
         "math", description="maj@k answer extractor: 'math' (boxed / 'answer is' / last number), "
                             "'module:function' (completion -> answer or None), or null (no maj@k).")
+
+    @field_validator("data")
+    @classmethod
+    def _data_location(cls, value: str) -> str:
+        return paths.data_location(_local(value, "eval.suites[].data"))
+
+    @field_validator("answer")
+    @classmethod
+    def _file_ref(cls, value: str | None) -> str | None:
+        return None if value is None else paths.function_ref(value)
 
     @field_validator("name")
     @classmethod
@@ -453,6 +514,11 @@ class Config(Section):
         False, description="Use an output_dir that holds other files and is not an rlft run directory "
                            "(its config.yaml, metrics.jsonl, summary.json and final/ would be overwritten).")
 
+    @field_validator("output_dir")
+    @classmethod
+    def _output_dir(cls, value: str) -> str:
+        return paths.absolute(_local(value, "output_dir"))
+
     @model_validator(mode="before")
     @classmethod
     def _fill_defaults(cls, values: Any) -> Any:
@@ -522,6 +588,14 @@ class Config(Section):
         if self.method == "dpo":
             return True
         return self.is_online and bool(self.algorithm.kl_coef)
+
+
+def _local(value: str, field: str) -> str:
+    """`value` as a local path of this system; a Windows-style path is refused with the fix."""
+    problem = paths.foreign_path_problem(value, field)
+    if problem:
+        raise ValueError(problem)
+    return value
 
 
 def config_warnings(config: Config) -> list[str]:

@@ -394,6 +394,7 @@ def export_model(loaded: LoadedModel, out_dir: str | Path) -> Path:
         return export_adapter(loaded, out)
     model = loaded.model
     if loaded.is_lora:
+        _absolute_adapter_base(model)
         model.save_pretrained(out / "adapter")
         loaded.tokenizer.save_pretrained(out / "adapter")
         model = model.merge_and_unload()
@@ -403,6 +404,16 @@ def export_model(loaded: LoadedModel, out_dir: str | Path) -> Path:
     loaded.tokenizer.save_pretrained(out)
     write_template_record(out, loaded.tokenizer)
     return out
+
+
+def _absolute_adapter_base(model: Any) -> None:
+    """adapter_config.json names its base model as it was loaded; a relative folder would make the
+    adapter loadable only from the directory the run started in (a hub id stays an id)."""
+    from rlft.paths import existing
+
+    for peft_config in getattr(model, "peft_config", {}).values():
+        if peft_config.base_model_name_or_path:
+            peft_config.base_model_name_or_path = existing(peft_config.base_model_name_or_path)
 
 
 def export_adapter(loaded: LoadedModel, out: Path) -> Path:
@@ -420,6 +431,7 @@ def export_adapter(loaded: LoadedModel, out: Path) -> Path:
     base = loaded.quantized_base
     local = Path(base.path).expanduser()
     path = str(local.resolve()) if local.exists() else base.path  # a hub id stays an id
+    _absolute_adapter_base(loaded.model)
     loaded.model.save_pretrained(out / "adapter")
     loaded.tokenizer.save_pretrained(out / "adapter")
     loaded.tokenizer.save_pretrained(out)

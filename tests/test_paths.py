@@ -1,0 +1,103 @@
+"""Files, paths and devices: what a run writes must work from any folder later (absolute paths in
+config.yaml and adapter_config.json), and paths or device names that cannot work here stop at
+config load with one error naming the field and the fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import yaml
+
+from conftest import assert_clean_user_error, run_main, write_jsonl
+from rlft.config import load_config
+from rlft.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def relative_lora_run(tmp_path_factory, qwen_path):
+    """One LoRA SFT step started from `work/` with relative paths only (model, data, reward-free
+    SFT, output_dir), checkpointed; `elsewhere/` is another folder to come back from."""
+    root = tmp_path_factory.mktemp("relative")
+    work, elsewhere = root / "work", root / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copytree(qwen_path, work / "model")
+    write_jsonl(work / "sft.jsonl", [{"prompt": f"What is {i} + 1?", "completion": f"It is {i + 1}."}
+                                     for i in range(8)])
+    config = {"method": "sft", "output_dir": "runs/lora", "model": {"path": "./model", "device": "cpu"},
+              "data": {"train": "sft.jsonl", "max_length": 64}, "lora": {"enabled": True, "r": 4},
+              "training": {"max_steps": 1, "batch_size": 4, "num_threads": 1, "precision": "fp32"},
+              "checkpoint": {"every": 1}, "logging": {"progress": False}, "eval": {"max_examples": 2}}
+    before = os.getcwd()
+    os.chdir(work)
+    try:
+        from rlft.api import train
+
+        assert train(config)["status"] == "completed"
+    finally:
+        os.chdir(before)
+    return work / "runs" / "lora", work, elsewhere
+
+
+def test_a_lora_adapter_loads_with_peft_from_another_folder(relative_lora_run, monkeypatch):
+    """adapter_config.json used to record the base as the relative path the run was started with
+    ('./model'), so AutoPeftModelForCausalLM failed from any other folder."""
+    from peft import AutoPeftModelForCausalLM
+
+    run, work, elsewhere = relative_lora_run
+    adapter = run / "final" / "adapter"
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(work / "model")
+    monkeypatch.chdir(elsewhere)
+    model = AutoPeftModelForCausalLM.from_pretrained(str(adapter))
+    assert model.peft_config["default"].r == 4
+
+
+def test_config_yaml_holds_absolute_paths_and_resume_works_from_another_folder(relative_lora_run, monkeypatch,
+                                                                               capsys):
+    """config.yaml used to keep 'model', 'sft.jsonl' and 'runs/lora' as written, so
+    `rlft train --resume DIR` worked only from the folder the run started in."""
+    run, work, elsewhere = relative_lora_run
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["model"]["path"] == str(work / "model") and saved["data"]["train"] == str(work / "sft.jsonl")
+    assert saved["output_dir"] == str(run)
+    monkeypatch.chdir(elsewhere)
+    result = run_main(monkeypatch, capsys, "train", "--resume", str(run), "training.max_steps=2")
+    assert result.returncode == 0, result.stderr
+    assert json.loads((run / "summary.json").read_text())["step"] == 2
+    assert not (elsewhere / "runs").exists()  # nothing written relative to the new folder
+
+
+def test_home_and_hub_ids_and_modules(tmp_path, monkeypatch):
+    """`~` is expanded (it used to reach the data reader as a literal '~' folder); hub ids,
+    'hf:NAME' data and 'module:function' rewards stay as written."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "p"}])
+    (tmp_path / "r.py").write_text("def f(prompt, completion, **row):\n    return 1.0\n")
+    cfg = load_config({"method": "grpo", "output_dir": "~/out", "model": {"path": "Qwen/Qwen2.5-0.5B"},
+                       "data": {"train": "~/rows.jsonl", "eval": "hf:org/set"},
+                       "rewards": [{"fn": "~/r.py:f"}, {"fn": "my_pkg.rewards:score"}, {"fn": "math"}]})
+    assert cfg.output_dir == str(tmp_path / "out") and cfg.data.train == str(tmp_path / "rows.jsonl")
+    assert cfg.model.path == "Qwen/Qwen2.5-0.5B" and cfg.data.eval == "hf:org/set"
+    assert [r.fn for r in cfg.rewards] == [f"{tmp_path}/r.py:f", "my_pkg.rewards:score", "math"]
+    assert cfg.rewards[0].component == "f"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("data.train", "C:\\data\\x.jsonl"),
+    ("model.path", "D:/models/qwen"),
+    ("output_dir", "runs\\sft"),
+])
+def test_a_windows_style_path_is_refused_at_load_with_the_fix(tmp_path, monkeypatch, capsys, field, value):
+    monkeypatch.chdir(tmp_path)  # before the fix, output_dir "runs\\sft" was created relative to here
+    """A path written for Windows never names a file here; it used to surface later as 'not found'
+    (data), a hub look-up (model) or a folder literally named 'runs\\sft' (output_dir)."""
+    raw = {"method": "sft", "output_dir": str(tmp_path / "out"), "model": {"path": str(tmp_path)},
+           "data": {"train": str(tmp_path / "x.jsonl")}}
+    section, _, key = field.rpartition(".")
+    (raw[section] if section else raw)[key] = value
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    err = assert_clean_user_error(run_main(monkeypatch, capsys, "train", str(tmp_path / "c.yaml")))
+    assert f"{field}: {value!r} is a Windows-style path" in err.replace("\n", " ") and "Fix:" in err
+    assert not (tmp_path / "out").exists()
