@@ -16,7 +16,7 @@ from rlft.config import LoraConfig, ModelConfig
 from rlft.errors import ConfigError, RlftError
 from rlft.models.folder_checks import (check_causal_lm, check_lora_targets, check_model_folder, check_tokenizer,
                                        check_tokenizer_folder)
-from rlft.models.template import check_template, set_chat_template, write_template_record
+from rlft.models.template import check_end_of_turn, check_template, set_chat_template, write_template_record
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ def _finish_tokenizer(tokenizer: Any, cfg: ModelConfig) -> Any:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     set_chat_template(tokenizer, cfg.chat_template)
+    check_end_of_turn(tokenizer)
     return tokenizer
 
 
