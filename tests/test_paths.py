@@ -101,3 +101,35 @@ def test_a_windows_style_path_is_refused_at_load_with_the_fix(tmp_path, monkeypa
     err = assert_clean_user_error(run_main(monkeypatch, capsys, "train", str(tmp_path / "c.yaml")))
     assert f"{field}: {value!r} is a Windows-style path" in err.replace("\n", " ") and "Fix:" in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value, hint", [
+    ("gpu", "Did you mean 'cuda'?"), ("CUDA:1", "Did you mean 'cuda:1'?"), ("0", "Did you mean 'cuda:0'?"),
+    ("mps", "mps is not supported"), ("cuda:x", "Use one of: auto, cpu, cuda, cuda:N"),
+])
+def test_an_unknown_device_is_refused_at_load(tmp_path, monkeypatch, capsys, value, hint):
+    """model.device=gpu used to pass the config and end in torch's raw `RuntimeError: Expected one of
+    cpu, cuda, ... device type at start of device string: gpu` when the model was placed."""
+    raw = {"method": "sft", "output_dir": str(tmp_path / "out"), "model": {"path": str(tmp_path), "device": value},
+           "data": {"train": str(tmp_path / "x.jsonl")}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    err = " ".join(assert_clean_user_error(run_main(monkeypatch, capsys, "train", str(tmp_path / "c.yaml"))).split())
+    assert f"model.device: unknown device {value!r}" in err and hint in err
+    assert not (tmp_path / "out").exists()
+    for good in ("auto", "cpu", "cuda", "cuda:3"):
+        assert load_config({**raw, "model": {"path": str(tmp_path), "device": good}}).model.device == good
+
+
+def test_an_output_dir_name_over_255_bytes_is_refused_at_load(tmp_path, monkeypatch, capsys):
+    """A folder name over the file system's 255-byte limit used to end in a raw
+    `OSError: [Errno 36] File name too long` traceback from creating the run directory."""
+    long_name = "run-" + "é" * 130  # 264 bytes in UTF-8, 134 characters: the limit is in bytes
+    raw = {"method": "sft", "output_dir": str(tmp_path / long_name / "inner"), "model": {"path": str(tmp_path)},
+           "data": {"train": str(tmp_path / "x.jsonl")}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw, allow_unicode=True))
+    err = " ".join(assert_clean_user_error(run_main(monkeypatch, capsys, "train", str(tmp_path / "c.yaml"))).split())
+    assert "output_dir: the name 'run-éé" in err and "is 264 bytes long, over the 255 bytes" in err
+    assert "Fix: choose a shorter output_dir" in err
+    with pytest.raises(ConfigError):  # the same check for the Python API
+        load_config(raw)
+    assert load_config({**raw, "output_dir": str(tmp_path / ("r" * 255))}).output_dir.endswith("r" * 255)

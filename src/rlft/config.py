@@ -55,6 +55,11 @@ class ModelConfig(Section):
     def _model_location(cls, value: str | None, info: Any) -> str | None:
         return None if value is None else paths.existing(_local(value, f"model.{info.field_name}"))
 
+    @field_validator("device", mode="before")
+    @classmethod
+    def _known_device(cls, value: Any) -> Any:
+        return check_device(str(value), "model.device") if isinstance(value, (str, int)) else value
+
     @field_validator("chat_template")
     @classmethod
     def _template_location(cls, value: str | None) -> str | None:
@@ -330,9 +335,12 @@ class RewardSpec(Section):
     @field_validator("args")
     @classmethod
     def _reward_model_path(cls, args: dict[str, Any], info: Any) -> dict[str, Any]:
-        path = args.get("path") if info.data.get("fn") == "reward_model" else None
-        if isinstance(path, str):  # the built-in reward model's weights: a folder or a hub id
-            return {**args, "path": paths.existing(_local(path, "reward_model args.path"))}
+        if info.data.get("fn") != "reward_model":
+            return args
+        if isinstance(args.get("device"), str):
+            check_device(args["device"], "reward_model args.device")
+        if isinstance(args.get("path"), str):  # the built-in reward model's weights: a folder or a hub id
+            return {**args, "path": paths.existing(_local(args["path"], "reward_model args.path"))}
         return args
 
     @property
@@ -517,7 +525,11 @@ class Config(Section):
     @field_validator("output_dir")
     @classmethod
     def _output_dir(cls, value: str) -> str:
-        return paths.absolute(_local(value, "output_dir"))
+        value = paths.absolute(_local(value, "output_dir"))
+        problem = paths.name_length_problem(value, "output_dir")
+        if problem:
+            raise ValueError(problem)
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -588,6 +600,30 @@ class Config(Section):
         if self.method == "dpo":
             return True
         return self.is_online and bool(self.algorithm.kl_coef)
+
+
+DEVICE_NAMES = ("auto", "cpu", "cuda", "cuda:N")
+# names other tools use for the same thing
+_DEVICE_ALIASES = {"gpu": "cuda", "nvidia": "cuda", "cuda0": "cuda:0", "rocm": "cuda", "hip": "cuda"}
+
+
+def check_device(value: str, field: str) -> str:
+    """'auto', 'cpu', 'cuda' or 'cuda:N'; anything else (a typo, 'gpu', 'mps', which rlft does not
+    run on) is refused here, not as a traceback from torch when the model moves."""
+    if value in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", value):
+        return value
+    lowered = value.strip().lower()
+    guess = _DEVICE_ALIASES.get(lowered)
+    if guess is None and (lowered in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", lowered)):
+        guess = lowered
+    if guess is None and re.fullmatch(r"(gpu:)?\d+", lowered):
+        guess = f"cuda:{lowered.rpartition(':')[2]}"
+    if guess is None:
+        found = difflib.get_close_matches(lowered, ["auto", "cpu", "cuda"], n=1, cutoff=0.5)
+        guess = found[0] if found else None
+    hint = f" Did you mean {guess!r}?" if guess else ""
+    extra = " (Apple's mps is not supported: rlft trains on CPU or CUDA GPUs)" if lowered == "mps" else ""
+    raise ValueError(f"{field}: unknown device {value!r}{extra}.{hint} Use one of: {', '.join(DEVICE_NAMES)}")
 
 
 def _local(value: str, field: str) -> str:

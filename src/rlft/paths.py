@@ -54,3 +54,24 @@ def function_ref(value: str) -> str:
     if sep and target.endswith(".py"):
         return f"{existing(target)}:{attr}"
     return value
+
+
+def name_length_problem(value: str, field: str) -> str | None:
+    """Why the absolute path `value` cannot be created here: a part longer than the file system's
+    name limit (255 bytes on ext4, xfs, btrfs, tmpfs), which used to surface as a raw OSError
+    (ENAMETOOLONG) from deep inside the first write."""
+    parent = value
+    while not os.path.isdir(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    try:
+        limit = os.pathconf(parent, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    for part in value.split(os.sep):
+        size = len(os.fsencode(part))
+        if size > limit:
+            shown = part[:40] + "..." if len(part) > 40 else part
+            return (f"{field}: the name {shown!r} is {size} bytes long, over the {limit} bytes a file or folder name "
+                    f"may have here. Fix: choose a shorter {field}")
+    return None
+
