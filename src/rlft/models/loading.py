@@ -16,6 +16,7 @@ from rlft.config import LoraConfig, ModelConfig
 from rlft.errors import ConfigError, RlftError
 from rlft.models.folder_checks import (check_causal_lm, check_lora_targets, check_model_folder, check_tokenizer,
                                        check_tokenizer_folder)
+from rlft.models.hub import hub_source
 from rlft.models.template import check_end_of_turn, check_template, set_chat_template, write_template_record
 
 log = logging.getLogger(__name__)
@@ -57,14 +58,16 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
     differently) or drops whitespace; comparing with tokenizer.json detects it and we fall back to
     the generic fast tokenizer that reads tokenizer.json as is.
     """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
     gguf = None if cfg.tokenizer_path else _gguf_file(cfg)
     if gguf is not None:
         return _finish_tokenizer(_load_gguf_tokenizer(gguf), cfg)
     given = cfg.tokenizer_path or cfg.path
-    check_tokenizer_folder(given, "model.tokenizer_path" if cfg.tokenizer_path else "model.path")
-    source = os.path.expanduser(given)
+    field = "model.tokenizer_path" if cfg.tokenizer_path else "model.path"
+    check_tokenizer_folder(given, field)
+    # before importing transformers' tokenizers (seconds): an unusable hub id is known at once
+    source = hub_source(given, cfg.revision, field)
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
     kwargs = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
@@ -223,8 +226,9 @@ def load_causal_lm(cfg: ModelConfig, device: torch.device, dtype: torch.dtype | 
         index = device.index if device.index is not None else torch.cuda.current_device()
         kwargs.update(quantization_config=bnb_4bit_config(), device_map={"": index})
     check_model_folder(cfg.path)
+    source = hub_source(cfg.path, cfg.revision, "model.path")
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(os.path.expanduser(cfg.path), output_loading_info=True,
+        model, info = AutoModelForCausalLM.from_pretrained(source, output_loading_info=True,
                                                            **kwargs)
     except RlftError:
         raise
@@ -322,7 +326,8 @@ def load_reward_model(cfg: ModelConfig, lora: LoraConfig, dtype: torch.dtype | N
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(os.path.expanduser(cfg.path), **kwargs)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            hub_source(cfg.path, cfg.revision, "model.path"), **kwargs)
     except Exception as exc:  # noqa: BLE001  (safetensors, torch.load and config errors have many types)
         raise RlftError(f"could not load {cfg.path!r} as a one-logit sequence classifier: {exc}\n"
                         "Fix: model.path must be a causal-LM checkpoint (a score head is added) or a "
