@@ -148,23 +148,6 @@ def test_lora_target_modules_that_match_nothing_are_named_even_when_others_match
 
 # -- hub ids on a machine that cannot reach the hub ------------------------------------------
 
-@pytest.fixture
-def no_hub(monkeypatch):
-    """The hub at a closed local port (connection refused at once), so these tests behave the same
-    on machines with and without network; the once-per-process reachability probe starts fresh."""
-    from huggingface_hub import constants
-
-    from rlft.models import hub
-
-    endpoint = "http://127.0.0.1:9"  # the discard port: nothing listens there
-    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    hub.hub_unreachable.cache_clear()
-    yield endpoint
-    hub.hub_unreachable.cache_clear()
-
-
 def test_an_uncached_hub_id_without_the_hub_fails_in_seconds(no_hub, tmp_path, monkeypatch, capsys):
     """With no network a hub id that is not cached took ~75 s of retries (30 'Retrying in Ns'
     lines, ~70 warnings) before its error; now one probe of the hub decides. The bound is 20 s, far

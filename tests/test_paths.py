@@ -133,3 +133,42 @@ def test_an_output_dir_name_over_255_bytes_is_refused_at_load(tmp_path, monkeypa
     with pytest.raises(ConfigError):  # the same check for the Python API
         load_config(raw)
     assert load_config({**raw, "output_dir": str(tmp_path / ("r" * 255))}).output_dir.endswith("r" * 255)
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("data.train={d}", "directory.); it holds: rows.jsonl. Fix: point the data setting at a data file inside it"),
+    ("model.chat_template={d}", "model.chat_template: {d} is a folder; give the template file"),
+    ("rewards=[{{fn: '{d}.py:f'}}]", "{d}.py is a folder, not a Python file"),
+])
+def test_a_folder_where_a_file_is_expected_is_named_as_a_folder(qwen_path, tmp_path, monkeypatch, capsys, override,
+                                                                 expected):
+    """A folder given where a file belongs was reported as 'file not found' (template, reward file)
+    or with no fix (data): the message now says it is a folder and what to give instead."""
+    folder = tmp_path / "stuff"
+    (tmp_path / "stuff.py").mkdir()
+    folder.mkdir()
+    write_jsonl(folder / "rows.jsonl", [{"prompt": "p"}])
+    raw = {"method": "grpo", "output_dir": str(tmp_path / "out"), "model": {"path": str(qwen_path), "device": "cpu"},
+           "data": {"train": str(folder / "rows.jsonl")}, "rewards": [{"fn": "math"}],
+           "training": {"max_steps": 1, "num_threads": 1}, "logging": {"progress": False}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    err = assert_clean_user_error(run_main(monkeypatch, capsys, "train", str(tmp_path / "c.yaml"),
+                                           override.format(d=folder)))
+    assert expected.format(d=folder) in " ".join(err.split())
+
+
+def test_an_hf_dataset_without_the_hub_fails_in_seconds(no_hub):
+    """`hf:NAME` data with no network took ~50 s of datasets' retries before 'Couldn't reach';
+    now the same one probe decides, and the error says how to get the data here."""
+    import time
+
+    from rlft.data.readers import read_rows
+    from rlft.errors import DataError
+
+    start = time.monotonic()
+    with pytest.raises(DataError) as info:
+        read_rows("hf:rlft-test-org/no-such-set")
+    assert time.monotonic() - start < 20  # generous: a loaded 2-core machine; retries took ~50 s
+    message = str(info.value)
+    assert "hf:rlft-test-org/no-such-set is not in the local datasets cache" in message
+    assert f"{no_hub} cannot be reached" in message and "Dataset.save_to_disk" in message

@@ -65,7 +65,7 @@ def plan_input_from_config(config: Config, world_size: int = 1, local_device: An
 
 def read_model_config(path: str, revision: str | None = None, trust_remote_code: bool = False) -> dict[str, Any]:
     """config.json of a local folder or a hub id (only that file is read)."""
-    from rlft.models.hub import hub_source
+    from rlft.hub import hub_source
 
     source = hub_source(path, revision, "model.path")  # before the transformers import (seconds)
     from transformers import AutoConfig

@@ -40,6 +40,9 @@ def set_chat_template(tokenizer: Any, template: str | None) -> None:
     # Jinja without any "{" renders one constant text for every conversation, so such a value is
     # a file path whatever its suffix; installing it as the template would train on that constant.
     if "{" not in template:
+        if candidate.is_dir():
+            raise RlftError(f"model.chat_template: {candidate} is a folder; give the template file (e.g. "
+                            f"{str(candidate / 'chat_template.jinja')!r}) or inline Jinja")
         if not candidate.is_file():
             raise RlftError(f"model.chat_template: file not found: {candidate}")
         template = candidate.read_text()

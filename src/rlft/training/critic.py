@@ -115,7 +115,7 @@ class SeparateCritic:
         from transformers import AutoConfig, AutoModelForTokenClassification
 
         c, m = config.critic, config.model
-        from rlft.models.hub import hub_source
+        from rlft.hub import hub_source
 
         path = hub_source(c.path or m.path, None if c.path else m.revision, "critic.path" if c.path else "model.path")
         model_config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=m.trust_remote_code)

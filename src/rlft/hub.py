@@ -1,4 +1,5 @@
-"""Hub ids on a machine that cannot reach the hub: decided in seconds, not after a minute of retries.
+"""Hub ids (models, `hf:` datasets) on a machine that cannot reach the hub: decided in seconds, not
+after a minute of retries.
 
 transformers looks every file of a hub id up online first and retries each failed request with
 backoff: with no network a model that is not cached took ~75 s (30 retry lines, ~70 warnings)
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import os
+from contextlib import contextmanager
+from typing import Iterator
 import urllib.error
 import urllib.request
 from rlft.errors import RlftError
@@ -69,3 +72,19 @@ def hub_source(path: str, revision: str | None, what: str) -> str:
         f"{what} {path!r} is a hub id that is not in the local Hugging Face cache, and the hub cannot be used "
         f"({reason}).\nFix: download it on a machine with network access (`hf download {path}`, then copy the "
         f"cache or the folder here), or point {what} at a local model folder (a local path starts with ./ or /)")
+
+
+@contextmanager
+def offline() -> Iterator[None]:
+    """huggingface_hub and datasets in offline mode for the block (cached files only, no look-ups,
+    so no retries): for `datasets.load_dataset`, which has no folder to hand it instead."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
+
