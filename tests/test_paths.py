@@ -172,3 +172,17 @@ def test_an_hf_dataset_without_the_hub_fails_in_seconds(no_hub):
     message = str(info.value)
     assert "hf:rlft-test-org/no-such-set is not in the local datasets cache" in message
     assert f"{no_hub} cannot be reached" in message and "Dataset.save_to_disk" in message
+
+
+def test_an_empty_path_is_refused_and_resume_expands_home(relative_lora_run, monkeypatch):
+    """An empty output_dir would become the working directory itself (abspath('') is the cwd);
+    `--resume '~/...'` (quoted, so no shell expansion) was 'not a run directory'."""
+    from rlft import api
+
+    with pytest.raises(ConfigError, match="output_dir is empty; give a path"):
+        load_config({"method": "sft", "output_dir": " ", "model": {"path": "x/y"}, "data": {"train": "a.jsonl"}})
+    run, work, _ = relative_lora_run
+    monkeypatch.setenv("HOME", str(work))
+    monkeypatch.setattr(api, "train", lambda config, overrides: (config, overrides))  # what resume would run
+    config, overrides = api.resume("~/runs/lora", ["training.max_steps=3"])
+    assert config == run / "config.yaml" and overrides[-1] == f"output_dir={run}"

@@ -55,7 +55,7 @@ def train(config: Config | dict[str, Any] | str | Path, overrides: list[str] | N
 
 def resume(run_dir: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
     """Continue a run from its newest intact checkpoint."""
-    root = Path(run_dir)
+    root = Path(run_dir).expanduser()
     if not (root / "config.yaml").is_file():
         raise ResumeError(f"{root} is not a run directory (no config.yaml)")
     if ckpt.find_latest(root / "checkpoints") is None:

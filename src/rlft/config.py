@@ -627,7 +627,9 @@ def check_device(value: str, field: str) -> str:
 
 
 def _local(value: str, field: str) -> str:
-    """`value` as a local path of this system; a Windows-style path is refused with the fix."""
+    """`value` as a local path of this system; an empty one or a Windows-style path is refused."""
+    if not value.strip():
+        raise ValueError(f"{field} is empty; give a path")
     problem = paths.foreign_path_problem(value, field)
     if problem:
         raise ValueError(problem)
