@@ -186,3 +186,11 @@ def test_an_empty_path_is_refused_and_resume_expands_home(relative_lora_run, mon
     monkeypatch.setattr(api, "train", lambda config, overrides: (config, overrides))  # what resume would run
     config, overrides = api.resume("~/runs/lora", ["training.max_steps=3"])
     assert config == run / "config.yaml" and overrides[-1] == f"output_dir={run}"
+
+
+def test_an_output_dir_past_the_path_length_limit_is_refused_at_load(tmp_path):
+    """Each part under 255 bytes but the whole path near 4096: nothing checked it, so a run got as far
+    as its first write of a file deep enough to pass the limit (ENAMETOOLONG)."""
+    deep = tmp_path.joinpath(*["d" * 200] * 20)  # ~4,000 bytes
+    with pytest.raises(ConfigError, match=r"output_dir: the path is \d+ bytes long; .* 4096-byte path limit"):
+        load_config({"method": "sft", "output_dir": str(deep), "model": {"path": "x/y"}, "data": {"train": "a.jsonl"}})

@@ -64,9 +64,14 @@ def name_length_problem(value: str, field: str) -> str | None:
     while not os.path.isdir(parent) and os.path.dirname(parent) != parent:
         parent = os.path.dirname(parent)
     try:
-        limit = os.pathconf(parent, "PC_NAME_MAX")
+        limit, whole = os.pathconf(parent, "PC_NAME_MAX"), os.pathconf(parent, "PC_PATH_MAX")
     except (OSError, ValueError):
-        limit = 255
+        limit, whole = 255, 4096
+    # the run writes files a few levels down (checkpoints/step-00000001/adapter/...): keep room for them
+    room = 128
+    if len(os.fsencode(value)) + room > whole:
+        return (f"{field}: the path is {len(os.fsencode(value))} bytes long; with the files a run writes inside it, "
+                f"it would pass the {whole}-byte path limit here. Fix: choose a shorter {field}")
     for part in value.split(os.sep):
         size = len(os.fsencode(part))
         if size > limit:
