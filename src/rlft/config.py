@@ -334,7 +334,7 @@ class RewardSpec(Section):
 
     @field_validator("args")
     @classmethod
-    def _reward_model_path(cls, args: dict[str, Any], info: Any) -> dict[str, Any]:
+    def _reward_model_args(cls, args: dict[str, Any], info: Any) -> dict[str, Any]:
         if info.data.get("fn") != "reward_model":
             return args
         if isinstance(args.get("device"), str):
