@@ -181,3 +181,20 @@ def sft_run(tmp_path_factory, qwen_path, sft_data):
     summary = run_offline(config, make_objective(config), policy=policy)
     return SimpleNamespace(config=config, policy=policy, baseline=baseline, summary=summary,
                            root=Path(config.output_dir), initial_state=initial)
+
+
+@pytest.fixture
+def no_hub(monkeypatch):
+    """The hub at a closed local port (connection refused at once), so these tests behave the same
+    on machines with and without network; the once-per-process reachability probe starts fresh."""
+    from huggingface_hub import constants
+
+    from rlft import hub
+
+    endpoint = "http://127.0.0.1:9"  # the discard port: nothing listens there
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    hub.hub_unreachable.cache_clear()
+    yield endpoint
+    hub.hub_unreachable.cache_clear()

@@ -144,3 +144,46 @@ def test_lora_target_modules_that_match_nothing_are_named_even_when_others_match
     message = str(info.value)
     assert "no module of this Qwen2ForCausalLM is named 'v_prj' (did you mean 'v_proj'?)" in message
     assert "'q_proj'" not in message.split("Its linear layers")[0]  # the matching name is not blamed
+
+
+# -- hub ids on a machine that cannot reach the hub ------------------------------------------
+
+def test_an_uncached_hub_id_without_the_hub_fails_in_seconds(no_hub, tmp_path, monkeypatch, capsys):
+    """With no network a hub id that is not cached took ~75 s of retries (30 'Retrying in Ns'
+    lines, ~70 warnings) before its error; now one probe of the hub decides. The bound is 20 s, far
+    above the few seconds it takes even on a loaded 2-core machine and far below the retry time."""
+    import yaml
+
+    from conftest import assert_clean_user_error, run_main, write_jsonl
+
+    write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "p", "completion": "c"}] * 4)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({
+        "method": "sft", "output_dir": str(tmp_path / "run"), "data": {"train": str(tmp_path / "sft.jsonl")},
+        "model": {"path": "rlft-test-org/no-such-model", "device": "cpu"},
+        "training": {"max_steps": 1, "num_threads": 1}, "logging": {"progress": False}}))
+    start = time.monotonic()
+    result = run_main(monkeypatch, capsys, "train", str(tmp_path / "c.yaml"))
+    elapsed = time.monotonic() - start
+    err = " ".join(assert_clean_user_error(result).split())
+    assert elapsed < 20, f"{elapsed:.1f} s"
+    assert "model.path 'rlft-test-org/no-such-model' is a hub id that is not in the local Hugging Face cache" in err
+    assert f"{no_hub} cannot be reached" in err and "hf download rlft-test-org/no-such-model" in err
+    assert "Retrying" not in result.stderr + result.stdout
+
+
+def test_a_cached_hub_id_loads_from_the_cache_without_the_hub(no_hub, qwen_path, tmp_path, monkeypatch):
+    """A cached model must still load with the hub unreachable, and without waiting for retries:
+    transformers' own `local_files_only` misses its adapter_config.json look-up (which retried for
+    ~30 s), so the cached snapshot folder is loaded as a folder."""
+    from huggingface_hub import constants
+
+    commit = "0" * 40
+    entry = tmp_path / "hub" / "models--rlft-test-org--cached"
+    shutil.copytree(qwen_path, entry / "snapshots" / commit)
+    (entry / "refs").mkdir()
+    (entry / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    start = time.monotonic()
+    policy = _load("rlft-test-org/cached")
+    assert time.monotonic() - start < 20
+    assert policy.model.get_input_embeddings().num_embeddings == 512

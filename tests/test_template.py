@@ -272,3 +272,43 @@ def test_collate_pads_without_targets(qwen_tok):
     assert batch["attention_mask"][0, n:].sum() == 0 and batch["attention_mask"][0, :n].all()
     assert not batch["target_mask"][0, n:].any()
     assert batch["attention_mask"][1].all()
+
+
+# A Llama-3-style template (headers and `<|eot_id|>`), written for this test.
+LLAMA3_STYLE_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+
+
+def test_a_template_of_another_family_is_refused_at_load(qwen_path, tmp_path, monkeypatch, capsys):
+    """A Llama-3 template on the ChatML tokenizer used to be accepted silently: `<|eot_id|>` is no
+    token there, so SFT taught the model to spell it out and generation never stopped on it."""
+    import yaml
+
+    from conftest import assert_clean_user_error, run_main, write_jsonl
+
+    with pytest.raises(RlftError) as info:
+        load_tokenizer(ModelConfig(path=str(qwen_path), chat_template=LLAMA3_STYLE_TEMPLATE))
+    message = str(info.value)
+    assert "ends an assistant turn with '<|eot_id|>', which is not a token of this tokenizer" in message
+    assert "model.chat_template" in message and "'<|im_end|>'" in message  # the fix, and the tokenizer's own marker
+    # and through `rlft train`: one clean error before anything trains
+    write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "p", "completion": "c"}] * 4)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({
+        "method": "sft", "output_dir": str(tmp_path / "run"), "data": {"train": str(tmp_path / "sft.jsonl")},
+        "model": {"path": str(qwen_path), "device": "cpu", "chat_template": LLAMA3_STYLE_TEMPLATE},
+        "training": {"max_steps": 1, "batch_size": 4, "num_threads": 1}, "logging": {"progress": False}}))
+    err = assert_clean_user_error(run_main(monkeypatch, capsys, "train", str(tmp_path / "c.yaml")))
+    assert "'<|eot_id|>'" in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_the_own_and_a_marker_free_template_pass_the_end_of_turn_check(qwen_tok):
+    from rlft.models.template import check_end_of_turn
+
+    check_end_of_turn(qwen_tok)  # ChatML on its own tokenizer: `<|im_end|>` is one special token
+    plain = "{%- for m in messages %}{{- m['role'] + ': ' + m['content'] + '\\n' }}{%- endfor %}"
+    tok = load_tokenizer(ModelConfig(path=str(qwen_tok.name_or_path), chat_template=plain))
+    check_end_of_turn(tok)  # no marker: EOS ends a turn; nothing to judge

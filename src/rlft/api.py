@@ -63,7 +63,7 @@ def resume(run_dir: str | Path, overrides: list[str] | None = None) -> dict[str,
 
 def resume_config(run_dir: str | Path, overrides: list[str] | None = None) -> tuple[Path, list[str]]:
     """The config file and overrides that continue the run in `run_dir`."""
-    root = Path(run_dir)
+    root = Path(run_dir).expanduser()
     if not (root / "config.yaml").is_file():
         raise ResumeError(f"{root} is not a run directory (no config.yaml)")
     if ckpt.find_latest(root / "checkpoints") is None:

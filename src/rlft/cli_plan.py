@@ -65,10 +65,13 @@ def plan_input_from_config(config: Config, world_size: int = 1, local_device: An
 
 def read_model_config(path: str, revision: str | None = None, trust_remote_code: bool = False) -> dict[str, Any]:
     """config.json of a local folder or a hub id (only that file is read)."""
+    from rlft.hub import hub_source
+
+    source = hub_source(path, revision, "model.path")  # before the transformers import (seconds)
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code).to_dict()
+        return AutoConfig.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code).to_dict()
     except (OSError, ValueError) as exc:
         raise RlftError(f"could not read the model's config.json from {path!r}: {exc}\n"
                         "Fix: model.path must be a local checkpoint folder or a reachable hub id") from None

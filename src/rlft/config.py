@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from rlft.config_yaml import load_yaml
+from rlft import paths
 from rlft.errors import ConfigError
 from rlft.monitor.settings import LoggerSettings, MonitorConfig
 from rlft.section import Section
@@ -50,6 +51,23 @@ class ModelConfig(Section):
                             "them (QLoRA; needs lora.enabled, a CUDA GPU and `pip install 'rlft[qlora]'`). "
                             "final/ then holds the adapter only (see the README).")
 
+    @field_validator("path", "tokenizer_path")
+    @classmethod
+    def _model_location(cls, value: str | None, info: Any) -> str | None:
+        return None if value is None else paths.existing(_local(value, f"model.{info.field_name}"))
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _known_device(cls, value: Any) -> Any:
+        return check_device(str(value), "model.device") if isinstance(value, (str, int)) else value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_location(cls, value: str | None) -> str | None:
+        if value is None or "{" in value:
+            return value
+        return paths.existing(_local(value, "model.chat_template"))
+
 
 class LoraConfig(Section):
     enabled: bool = Field(False, description="Train LoRA adapters (peft) instead of all weights.")
@@ -67,6 +85,11 @@ class MixSource(Section):
     name: str | None = Field(None, description="Name in per-source metrics (default: the file's stem).")
     weight: float | None = Field(None, gt=0, description="Share of each epoch, relative to the other weights.")
     rows: int | None = Field(None, ge=1, description="Exact rows of this source per epoch.")
+
+    @field_validator("path")
+    @classmethod
+    def _data_location(cls, value: str) -> str:
+        return paths.data_location(_local(value, "data.train[].path"))
 
     @model_validator(mode="after")
     def _one_of(self) -> "MixSource":
@@ -94,6 +117,13 @@ class DataConfig(Section):
         8 << 20, ge=1, description="Rows larger than this (bytes of the JSON line, or of a row's text) are invalid "
                                    "rows, rejected before they are parsed or tokenized (a 50 MB line would take "
                                    "minutes and gigabytes). 8 MiB leaves room for large test suites of code tasks.")
+
+    @field_validator("train", "eval")
+    @classmethod
+    def _data_location(cls, value: Any, info: Any) -> Any:
+        if not isinstance(value, str):
+            return value  # a list of sources: each MixSource resolves its own path
+        return paths.data_location(_local(value, f"data.{info.field_name}"))
 
 
 class TrainingConfig(Section):
@@ -269,6 +299,11 @@ class AlgorithmConfig(Section):
                              "advantages above the 1 + clip range; null turns it off")
         return value
 
+    @field_validator("sft_mix")
+    @classmethod
+    def _data_location(cls, value: str | None) -> str | None:
+        return None if value is None else paths.data_location(_local(value, "algorithm.sft_mix"))
+
 
 _BASE_PRESET: dict[str, Any] = dict(
     advantage="group_norm", std_floor=1e-4, clip_low=0.2, clip_high=0.2, dual_clip=None,
@@ -317,12 +352,36 @@ class CriticConfig(Section):
     warmup_steps: int = Field(0, ge=0, description="First rollout steps that train the critic only (policy frozen).")
     whiten_advantages: bool = Field(True, description="Normalise GAE advantages over the batch's valid tokens.")
 
+    @field_validator("path")
+    @classmethod
+    def _model_location(cls, value: str | None) -> str | None:
+        return None if value is None else paths.existing(_local(value, "critic.path"))
+
 
 class RewardSpec(Section):
     fn: str = Field(description="Built-in name (math, exact_match, regex, json_fields, ...) or 'module:function' / 'file.py:function'.")
     name: str | None = Field(None, description="Component name in logs (default: derived from fn).")
     weight: float = Field(1.0, description="Weight in the weighted sum of components.")
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for a built-in reward's factory.")
+
+    @field_validator("fn")
+    @classmethod
+    def _file_ref(cls, value: str) -> str:
+        target, sep, _ = value.rpartition(":")
+        if sep and target.endswith(".py"):
+            _local(target, f"reward {value!r}")
+        return paths.function_ref(value)
+
+    @field_validator("args")
+    @classmethod
+    def _reward_model_args(cls, args: dict[str, Any], info: Any) -> dict[str, Any]:
+        if info.data.get("fn") != "reward_model":
+            return args
+        if isinstance(args.get("device"), str):
+            check_device(args["device"], "reward_model args.device")
+        if isinstance(args.get("path"), str):  # the built-in reward model's weights: a folder or a hub id
+            return {**args, "path": paths.existing(_local(args["path"], "reward_model args.path"))}
+        return args
 
     @property
     def component(self) -> str:
@@ -407,6 +466,16 @@ class EvalSuite(Section):
     answer: str | None = Field(
         "math", description="maj@k answer extractor: 'math' (boxed / 'answer is' / last number), "
                             "'module:function' (completion -> answer or None), or null (no maj@k).")
+
+    @field_validator("data")
+    @classmethod
+    def _data_location(cls, value: str) -> str:
+        return paths.data_location(_local(value, "eval.suites[].data"))
+
+    @field_validator("answer")
+    @classmethod
+    def _file_ref(cls, value: str | None) -> str | None:
+        return None if value is None else paths.function_ref(value)
 
     @field_validator("name")
     @classmethod
@@ -500,6 +569,15 @@ class Config(Section):
         False, description="Use an output_dir that holds other files and is not an rlft run directory "
                            "(its config.yaml, metrics.jsonl, summary.json and final/ would be overwritten).")
 
+    @field_validator("output_dir")
+    @classmethod
+    def _output_dir(cls, value: str) -> str:
+        value = paths.absolute(_local(value, "output_dir"))
+        problem = paths.name_length_problem(value, "output_dir")
+        if problem:
+            raise ValueError(problem)
+        return value
+
     @model_validator(mode="before")
     @classmethod
     def _fill_defaults(cls, values: Any) -> Any:
@@ -574,6 +652,40 @@ class Config(Section):
         if self.method == "dpo":
             return True
         return self.is_online and bool(self.algorithm.kl_coef)
+
+
+DEVICE_NAMES = ("auto", "cpu", "cuda", "cuda:N")
+# names other tools use for the same thing
+_DEVICE_ALIASES = {"gpu": "cuda", "nvidia": "cuda", "cuda0": "cuda:0", "rocm": "cuda", "hip": "cuda"}
+
+
+def check_device(value: str, field: str) -> str:
+    """'auto', 'cpu', 'cuda' or 'cuda:N'; anything else (a typo, 'gpu', 'mps', which rlft does not
+    run on) is refused here, not as a traceback from torch when the model moves."""
+    if value in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", value):
+        return value
+    lowered = value.strip().lower()
+    guess = _DEVICE_ALIASES.get(lowered)
+    if guess is None and (lowered in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", lowered)):
+        guess = lowered
+    if guess is None and re.fullmatch(r"(gpu:)?\d+", lowered):
+        guess = f"cuda:{lowered.rpartition(':')[2]}"
+    if guess is None:
+        found = difflib.get_close_matches(lowered, ["auto", "cpu", "cuda"], n=1, cutoff=0.5)
+        guess = found[0] if found else None
+    hint = f" Did you mean {guess!r}?" if guess else ""
+    extra = " (Apple's mps is not supported: rlft trains on CPU or CUDA GPUs)" if lowered == "mps" else ""
+    raise ValueError(f"{field}: unknown device {value!r}{extra}.{hint} Use one of: {', '.join(DEVICE_NAMES)}")
+
+
+def _local(value: str, field: str) -> str:
+    """`value` as a local path of this system; an empty one or a Windows-style path is refused."""
+    if not value.strip():
+        raise ValueError(f"{field} is empty; give a path")
+    problem = paths.foreign_path_problem(value, field)
+    if problem:
+        raise ValueError(problem)
+    return value
 
 
 def config_warnings(config: Config) -> list[str]:

@@ -4,6 +4,7 @@ location (`file:line`) so every report can point at it."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,7 +139,10 @@ def _read_saved_dataset(path: Path, split: str) -> list[Row]:
     try:
         ds = load_from_disk(str(path))
     except Exception as exc:
-        raise DataError(f"{path}: not a saved HF dataset folder ({exc})") from None
+        files = sorted(p.name for p in path.iterdir())[:5]
+        raise DataError(f"{path}: not a saved HF dataset folder ({exc}); it holds: "
+                        f"{', '.join(files) or 'nothing'}.\nFix: point the data setting at a data file inside it "
+                        "(.jsonl, .json, .parquet), or at a folder written by Dataset.save_to_disk") from None
     if isinstance(ds, DatasetDict):
         if split not in ds:
             raise DataError(f"{path}: no split {split!r}; available: {', '.join(ds)}")
@@ -147,11 +151,22 @@ def _read_saved_dataset(path: Path, split: str) -> list[Row]:
 
 
 def _read_hub(name: str, split: str) -> list[Row]:
+    from contextlib import nullcontext
+
     from datasets import load_dataset
 
+    from rlft.hub import hub_unreachable, offline
+
+    unreachable = None if os.path.exists(name) else hub_unreachable()  # a local folder needs no hub
     try:
-        ds = load_dataset(name, split=split)
+        with offline() if unreachable else nullcontext():
+            ds = load_dataset(name, split=split)
     except Exception as exc:
+        if unreachable and (isinstance(exc, ConnectionError) or "offline" in str(exc).lower()):
+            raise DataError(f"hf:{name} is not in the local datasets cache, and the hub cannot be used ({unreachable})."
+                            f"\nFix: load it once on a machine with network access and copy the cache here, or save "
+                            "it to a file (.jsonl/.parquet) or folder (Dataset.save_to_disk) and point the data "
+                            "setting at that") from None
         raise DataError(f"hf:{name}: could not load split {split!r}: {exc}") from None
     return [Row(f"hf:{name}[{split}]#{i}", dict(r)) for i, r in enumerate(ds)]
 

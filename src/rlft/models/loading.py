@@ -16,7 +16,8 @@ from rlft.config import LoraConfig, ModelConfig
 from rlft.errors import ConfigError, RlftError
 from rlft.models.folder_checks import (check_causal_lm, check_lora_targets, check_model_folder, check_tokenizer,
                                        check_tokenizer_folder)
-from rlft.models.template import check_template, set_chat_template, write_template_record
+from rlft.hub import hub_source
+from rlft.models.template import check_end_of_turn, check_template, set_chat_template, write_template_record
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +58,16 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
     differently) or drops whitespace; comparing with tokenizer.json detects it and we fall back to
     the generic fast tokenizer that reads tokenizer.json as is.
     """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
     gguf = None if cfg.tokenizer_path else _gguf_file(cfg)
     if gguf is not None:
         return _finish_tokenizer(_load_gguf_tokenizer(gguf), cfg)
     given = cfg.tokenizer_path or cfg.path
-    check_tokenizer_folder(given, "model.tokenizer_path" if cfg.tokenizer_path else "model.path")
-    source = os.path.expanduser(given)
+    field = "model.tokenizer_path" if cfg.tokenizer_path else "model.path"
+    check_tokenizer_folder(given, field)
+    # before importing transformers' tokenizers (seconds): an unusable hub id is known at once
+    source = hub_source(given, cfg.revision, field)
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
     kwargs = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
@@ -84,6 +87,7 @@ def _finish_tokenizer(tokenizer: Any, cfg: ModelConfig) -> Any:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     set_chat_template(tokenizer, cfg.chat_template)
+    check_end_of_turn(tokenizer)
     return tokenizer
 
 
@@ -222,8 +226,9 @@ def load_causal_lm(cfg: ModelConfig, device: torch.device, dtype: torch.dtype | 
         index = device.index if device.index is not None else torch.cuda.current_device()
         kwargs.update(quantization_config=bnb_4bit_config(), device_map={"": index})
     check_model_folder(cfg.path)
+    source = hub_source(cfg.path, cfg.revision, "model.path")
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(os.path.expanduser(cfg.path), output_loading_info=True,
+        model, info = AutoModelForCausalLM.from_pretrained(source, output_loading_info=True,
                                                            **kwargs)
     except RlftError:
         raise
@@ -321,7 +326,8 @@ def load_reward_model(cfg: ModelConfig, lora: LoraConfig, dtype: torch.dtype | N
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(os.path.expanduser(cfg.path), **kwargs)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            hub_source(cfg.path, cfg.revision, "model.path"), **kwargs)
     except Exception as exc:  # noqa: BLE001  (safetensors, torch.load and config errors have many types)
         raise RlftError(f"could not load {cfg.path!r} as a one-logit sequence classifier: {exc}\n"
                         "Fix: model.path must be a causal-LM checkpoint (a score head is added) or a "
@@ -394,6 +400,7 @@ def export_model(loaded: LoadedModel, out_dir: str | Path) -> Path:
         return export_adapter(loaded, out)
     model = loaded.model
     if loaded.is_lora:
+        _absolute_adapter_base(model)
         model.save_pretrained(out / "adapter")
         loaded.tokenizer.save_pretrained(out / "adapter")
         model = model.merge_and_unload()
@@ -403,6 +410,16 @@ def export_model(loaded: LoadedModel, out_dir: str | Path) -> Path:
     loaded.tokenizer.save_pretrained(out)
     write_template_record(out, loaded.tokenizer)
     return out
+
+
+def _absolute_adapter_base(model: Any) -> None:
+    """adapter_config.json names its base model as it was loaded; a relative folder would make the
+    adapter loadable only from the directory the run started in (a hub id stays an id)."""
+    from rlft.paths import existing
+
+    for peft_config in getattr(model, "peft_config", {}).values():
+        if peft_config.base_model_name_or_path:
+            peft_config.base_model_name_or_path = existing(peft_config.base_model_name_or_path)
 
 
 def export_adapter(loaded: LoadedModel, out: Path) -> Path:
@@ -420,6 +437,7 @@ def export_adapter(loaded: LoadedModel, out: Path) -> Path:
     base = loaded.quantized_base
     local = Path(base.path).expanduser()
     path = str(local.resolve()) if local.exists() else base.path  # a hub id stays an id
+    _absolute_adapter_base(loaded.model)
     loaded.model.save_pretrained(out / "adapter")
     loaded.tokenizer.save_pretrained(out / "adapter")
     loaded.tokenizer.save_pretrained(out)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,9 @@ def set_chat_template(tokenizer: Any, template: str | None) -> None:
     # Jinja without any "{" renders one constant text for every conversation, so such a value is
     # a file path whatever its suffix; installing it as the template would train on that constant.
     if "{" not in template:
+        if candidate.is_dir():
+            raise RlftError(f"model.chat_template: {candidate} is a folder; give the template file (e.g. "
+                            f"{str(candidate / 'chat_template.jinja')!r}) or inline Jinja")
         if not candidate.is_file():
             raise RlftError(f"model.chat_template: file not found: {candidate}")
         template = candidate.read_text()
@@ -82,6 +86,37 @@ def end_of_turn_ids(tokenizer: Any) -> list[int]:
     if tail_ids and tail_ids[0] in special and tail_ids[0] not in ids:
         ids.append(tail_ids[0])
     return ids
+
+
+# Text that is meant as a special token: `<|eot_id|>`, `<|im_end|>`, `</s>`, `<end_of_turn>`, `[/INST]`.
+_MARKER = re.compile(r"<\|[^|<>\s]+\|>|</?[A-Za-z_][\w.-]*>|\[/?[A-Z_]+\]")
+
+
+def check_end_of_turn(tokenizer: Any) -> None:
+    """The marker the template puts after an assistant's text must be one special token of this
+    tokenizer. A template from another family (Llama-3's `<|eot_id|>` on a ChatML tokenizer)
+    renders it as ordinary text: SFT then teaches the model to spell out `<`, `|`, `eot`... and
+    generation never stops on it, with no error anywhere. A template whose turns end without a
+    marker (EOS ends them) is not judged here."""
+    marker = "\x00END\x00"
+    msgs = PROBE_CONVERSATION[:2] + [{"role": "assistant", "content": marker}]
+    try:
+        text = render(tokenizer, msgs)
+    except Exception:  # templates that refuse a trailing assistant turn: nothing to check
+        return
+    found = _MARKER.match(text.split(marker, 1)[-1].lstrip())
+    if found is None:
+        return
+    ids = encode_text(tokenizer, found.group())
+    known = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    if len(ids) == 1 and ids[0] in known:
+        return
+    own = tokenizer.eos_token or "its EOS token"
+    raise RlftError(
+        f"the chat template ends an assistant turn with {found.group()!r}, which is not a token of this tokenizer "
+        f"(it becomes {len(ids)} ordinary tokens): SFT would teach the model to spell it out and generation would "
+        f"never stop on it. The template is from another model family.\nFix: set model.chat_template to a template "
+        f"made for this tokenizer (its turns end with {own!r}), or drop model.chat_template to use the tokenizer's own")
 
 
 def template_record(tokenizer: Any) -> dict[str, str]:

@@ -33,15 +33,18 @@ def _load(path: str, device: str, dtype: str):
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if dtype not in dtypes:
         raise RlftError(f"reward_model: dtype must be one of {sorted(dtypes)}, got {dtype!r}")
+    from rlft.hub import hub_source
+
+    source = hub_source(path, None, "reward_model args.path")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtypes[dtype])
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForSequenceClassification.from_pretrained(source, dtype=dtypes[dtype])
     except (OSError, ValueError) as exc:
         raise RlftError(f"reward_model: cannot load a sequence-classification model from {path!r}: {exc}") from None
     ids = tokenizer(_ROUND_TRIP_PROBE, add_special_tokens=False)["input_ids"]
     if tokenizer.decode(ids) != _ROUND_TRIP_PROBE:  # see rlft.models.loading.load_tokenizer
         try:
-            tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(source)
         except (OSError, ValueError):
             pass
     if tokenizer.pad_token_id is None:

@@ -54,6 +54,9 @@ def load_user_function(ref: str, what: str = "reward") -> Callable[..., Any]:
 
 
 def _import_file(path: Path, ref: str, what: str) -> Any:
+    if path.is_dir():
+        raise ConfigError(f"{what} {ref!r}: {path} is a folder, not a Python file; name the .py file that "
+                          "defines the function")
     if not path.is_file():
         raise ConfigError(f"{what} {ref!r}: file not found: {path}")
     name = f"rlft_user_{abs(hash(str(path.resolve())))}"

@@ -14,16 +14,19 @@ removed only after the new one is complete.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -156,11 +159,24 @@ def save_checkpoint(checkpoints: Path, step: int, model: Any, is_lora: bool, tok
         world.barrier()
         if world.main:
             _seal(tmp, step)
-    except OSError as exc:
+    except BaseException as exc:
+        # Whatever stopped the write (a full disk, a kill signal turned into an exception, a bug),
+        # the partial folder goes: it holds the space a full disk needs back.
+        failed = _WriteFailed.unwrap(exc, tmp)
+        free_at_failure = _free_bytes(checkpoints)
+        written = _tree_size(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        if not (isinstance(failed.cause, OSError) or out_of_space(failed.cause, free_at_failure)):
+            raise failed.cause from None  # not a write problem: keep its traceback
         latest = find_latest(checkpoints)
-        kept = f"the last good checkpoint is {latest}" if latest else "no earlier checkpoint exists"
-        raise RunDirError(describe_os_error(exc, f"saving checkpoint {name} ({kept})", tmp)) from None
+        kept = f"the last good checkpoint is {latest}, still the newest" if latest else "no earlier checkpoint exists"
+        what = f"saving checkpoint {name} ({kept}; the partial save was removed)"
+        if out_of_space(failed.cause, free_at_failure):
+            raise RunDirError(_no_space_message(failed.path, what, checkpoints, latest, written,
+                                                keep_last)) from None
+        raise RunDirError(describe_os_error(failed.cause, what, failed.path)) from None
     if world.main:
         fault_point("ckpt-rename", step)
         with writing(f"publishing checkpoint {name}", final):
@@ -183,11 +199,89 @@ def _write_checkpoint(tmp: Path, step: int, model: Any, is_lora: bool, tokenizer
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    save_model_weights(model, is_lora, tmp)
-    write_template_record(tmp, tokenizer)
+    with _WriteFailed.naming(tmp / ("adapter" if is_lora else "model")):
+        save_model_weights(model, is_lora, tmp)
+    with _WriteFailed.naming(tmp / "rlft_template.json"):
+        write_template_record(tmp, tokenizer)
     fault_point("ckpt-model", step)
-    torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / STATE_FILE)
+    # through a file object we own: torch's own writer, given a name, keeps the file open after a
+    # failed write, and a deleted but open file still fills the disk
+    with _WriteFailed.naming(tmp / STATE_FILE), (tmp / STATE_FILE).open("wb") as f:
+        torch.save({**trainer_state, "step": step, "rng": rng_state()}, f)
     fault_point("ckpt-state", step)
+
+
+class _WriteFailed(Exception):
+    """An exception raised while writing `path` of a checkpoint (torch and safetensors do not say
+    which file they were writing)."""
+
+    def __init__(self, path: Path, cause: BaseException):
+        super().__init__(f"{path}: {cause}")
+        self.path, self.cause = path, cause
+
+    @classmethod
+    @contextmanager
+    def naming(cls, path: Path) -> Iterator[None]:
+        try:
+            yield
+        except Exception as exc:
+            raise cls(path, exc) from exc
+
+    @classmethod
+    def unwrap(cls, exc: BaseException, folder: Path) -> "_WriteFailed":
+        if isinstance(exc, cls):
+            return exc
+        return cls(Path(getattr(exc, "filename", None) or folder), exc)
+
+
+# How a full disk shows up when the writer is not Python's own I/O: torch's zip writer checks its
+# position after each record ("unexpected pos N vs M", "PytorchStreamWriter failed writing file"),
+# safetensors reports the OS error in its message text.
+_NO_SPACE_TEXT = re.compile(r"no space left|os error 28|unexpected pos \d+ vs \d+|failed writing file|"
+                            r"storagefull|disk quota", re.IGNORECASE)
+
+
+def out_of_space(exc: BaseException, free_bytes: int | None = None) -> bool:
+    """Whether `exc` means the disk (or quota) ran out. `free_bytes`, measured when the write
+    failed, settles writer errors that do not say why (an almost full disk is reason enough)."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if isinstance(exc, OSError):
+        return False
+    return bool(_NO_SPACE_TEXT.search(str(exc))) or (free_bytes is not None and free_bytes < (1 << 20)
+                                                      and isinstance(exc, RuntimeError))
+
+
+def _no_space_message(path: Path, what: str, checkpoints: Path, latest: Path | None, written: int,
+                      keep_last: int) -> str:
+    free = _free_bytes(checkpoints)
+    if latest is not None:  # the previous checkpoint is the best estimate of the next one's size
+        need = f"a checkpoint needs about {_mb(_tree_size(latest))}"
+    else:
+        need = f"this checkpoint needs more than the {_mb(written)} it had written"
+    have = f"{_mb(free)} is free there now" if free is not None else "the free space is unknown"
+    return (f"no space left on the device of {path} while {what}: {need}, {have} (the one being written "
+            f"must fit beside the last checkpoint.keep_last={keep_last}).\n"
+            f"Fix: free space on that disk, lower checkpoint.keep_last, or choose an output_dir on another disk; "
+            f"then continue with: rlft train --resume {checkpoints.parent}")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def _tree_size(root: Path) -> int:
+    try:
+        return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    except OSError:
+        return 0
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
 
 
 def _seal(tmp: Path, step: int) -> None:

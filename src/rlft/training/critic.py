@@ -115,7 +115,9 @@ class SeparateCritic:
         from transformers import AutoConfig, AutoModelForTokenClassification
 
         c, m = config.critic, config.model
-        path = c.path or m.path
+        from rlft.hub import hub_source
+
+        path = hub_source(c.path or m.path, None if c.path else m.revision, "critic.path" if c.path else "model.path")
         model_config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=m.trust_remote_code)
         model_config.classifier_dropout = 0.0  # values must not be noisy
         model = AutoModelForTokenClassification.from_pretrained(
