@@ -510,6 +510,11 @@ def device_capacity(device: str | None = None, memory_gb: float | None = None) -
     raise ValueError(f"unknown device {device!r}; known: {', '.join(DEVICES_MIB)} (or give the memory in GiB)")
 
 
+def size_text(n: int) -> str:
+    """Bytes as GiB, or MiB below one GiB (tiny models, tight limits)."""
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / 2**20:.1f} MiB"
+
+
 @dataclass(frozen=True)
 class Verdict:
     device: str
@@ -527,11 +532,11 @@ class Verdict:
         return self.total <= self.usable
 
     def text(self) -> str:
-        gap = (self.usable - self.total) / GiB
-        head = f"{self.device}: {self.capacity / GiB:.1f} GiB, about {self.usable / GiB:.1f} GiB usable"
+        gap = self.usable - self.total
+        head = f"{self.device}: {size_text(self.capacity)}, about {size_text(self.usable)} usable"
         if self.fits:
-            return f"fits on {head}; {gap:.1f} GiB headroom"
-        return f"does NOT fit on {head}; {-gap:.1f} GiB short"
+            return f"fits on {head}; {size_text(gap)} headroom"
+        return f"does NOT fit on {head}; {size_text(-gap)} short"
 
 
 @dataclass(frozen=True)
