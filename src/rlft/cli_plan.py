@@ -127,48 +127,5 @@ def plan(
     typer.echo(plan_report(load_config(config_path), device, memory_gb, world_size, worst_case))
 
 
-def memory_preflight(config: Config, world_size: int = 1) -> str | None:
-    """What `rlft train` says before loading weights when the plan does not fit the run's own
-    device (CUDA: the GPU's memory; CPU: the memory available now); None when it fits or the
-    model's config.json cannot be read (loading then reports that)."""
-    import torch
-
-    from rlft.models.loading import resolve_device
-    from rlft.plan import GiB, Verdict, advise, plan_memory
-
-    device = resolve_device(config.model.device)
-    try:
-        model_cfg = read_model_config(config.model.path, config.model.revision, config.model.trust_remote_code)
-        setting = plan_input_from_config(config, world_size, device)
-        plan = plan_memory(model_cfg, setting)
-    except (RlftError, ValueError):
-        return None
-    if device.type == "cuda":
-        label, capacity = torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory
-        verdict = Verdict(label, capacity, plan.total)
-    else:
-        label, capacity = "this machine's available RAM", _available_ram()
-        if capacity is None:
-            return None
-        verdict = Verdict(label, capacity, plan.total, context=0)
-    if verdict.fits:
-        return None
-    lines = [f"memory plan: about {plan.total / GiB:.1f} GiB at the peak; {verdict.text()}"]
-    fixes = [a for a in advise(model_cfg, setting, capacity, verdict.context) if a.fits][:3]
-    lines += [f"  - {a.change}: {a.total / GiB:.1f} GiB (fits)" for a in fixes]
-    lines.append(f"  details: rlft plan CONFIG --memory-gb {capacity / GiB:.1f}")
-    return "\n".join(lines)
-
-
-def _available_ram() -> int | None:
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def register(app: typer.Typer) -> None:
     app.command("plan", help="Estimate a config's GPU memory from config.json alone: fits or not, and fixes.")(plan)

@@ -122,6 +122,12 @@ class TrainingConfig(Section):
         None, ge=1, description="Examples per forward pass; batch_size / micro_batch_size = gradient accumulation.")
     eval_every: int | None = Field(None, ge=1, description="Evaluate every N steps (and always at the end).")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice).")
+    memory_limit_gb: float | None = Field(
+        None, gt=0, description="Memory (GiB) the run may use. Before loading weights rlft plans the run's memory "
+                                "against it (unset: the GPU's memory, or on CPU the available RAM and any "
+                                "RLIMIT_AS limit) and, if the plan does not fit, turns on the cheapest of "
+                                "micro-batching, gradient checkpointing and smaller rollout batches that fits; "
+                                "settings written in the config are kept. Nothing fits: an error before loading.")
     max_consecutive_nonfinite: int = Field(
         3, ge=1, description="Stop after this many consecutive steps skipped for a non-finite loss/grad norm.")
     dist_timeout_s: float = Field(
