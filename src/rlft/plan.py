@@ -6,9 +6,10 @@ largest phase, not the sum of everything:
 
 - `static`: weights, fp32 master weights, optimizer states, the reference model and a separate
   critic -- alive for the whole run;
-- `update`: saved activations, the logits and their log-softmax during forward/backward, and the
-  gradients when micro-batches are accumulated (with one micro-batch, backward frees a layer's
-  activations as it fills that layer's gradients, so the two never add up);
+- `update`: saved activations, the output head's working set (`head_bytes`: it never holds whole
+  [tokens, V] logits), autocast's weight casts, and the gradients when micro-batches are
+  accumulated (with one micro-batch, backward frees a layer's activations as it fills that
+  layer's gradients, so the two never add up);
 - `recompute` (gradient checkpointing): the layer inputs, one rebuilt layer and the gradients;
 - `rollout` (online methods, hf engine): the KV cache and the engine's working copies while sampling;
 - `optimizer`: the gradients and the optimizer step's temporaries (torch's foreach AdamW on GPU).
@@ -20,8 +21,10 @@ in `benchmarks/plan_vs_measured.py`. Per token and layer, with b bytes per activ
 H hidden, Q = heads x head_dim, I intermediate, T the sequence length:
   - each RMSNorm: its input in fp32 and rsqrt (4H + 4), and the normalised tensor (bH) when its
     weight trains;
-  - the inputs of the linears (bH twice, bI for down_proj) when their weights train; under LoRA
-    each adapted linear keeps its own fp32 dropout output instead (see `_linear_input_bytes`);
+  - the inputs of the linears (bH twice, bI for down_proj) when their weights train; under
+    autocast (*-mixed) each linear reading a norm's fp32 output keeps its own bf16 cast (5 x 2H);
+    under LoRA each adapted linear keeps its own copy of its input instead, fp32 or, under
+    autocast, bf16 (see `_linear_input_bytes`);
   - attention (sdpa): q, k, v and the output (4bQ; padded batches pass a mask, so transformers
     repeats grouped K/V heads to the full head count before sdpa), log-sum-exp (4 x heads) and the
     additive mask (bT); eager attention keeps the [heads, T] softmax in fp32 (4 x heads x T), its
