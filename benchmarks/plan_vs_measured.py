@@ -33,14 +33,19 @@ from rlft.monitor.memory import LiveTensorTracker, track_phase
 from rlft.plan import PlanInput, plan_memory
 
 CASES = {
-    # name: (method, lora, dtype, gradient checkpointing, micro-batch)
+    # name: (method, lora, training.precision, gradient checkpointing, micro-batch); the precision is
+    # pinned: `auto` would be bf16-mixed on CPUs with AMX / AVX512-BF16 and fp32 elsewhere
     "sft": ("sft", False, "fp32", False, 16),
     "sft-accum": ("sft", False, "fp32", False, 4),
     "sft-lora-bf16": ("sft", True, "bf16", False, 16),
+    "sft-mixed": ("sft", False, "bf16-mixed", False, 16),
     "grpo": ("grpo", False, "fp32", False, None),
     "grpo-ckpt": ("grpo", False, "fp32", True, None),
     "grpo-lora": ("grpo", True, "fp32", False, None),
     "grpo-bf16": ("grpo", False, "bf16", False, None),
+    "grpo-mixed": ("grpo", False, "bf16-mixed", False, None),
+    "grpo-lora-mixed": ("grpo", True, "bf16-mixed", False, None),
+    "grpo-ckpt-mixed": ("grpo", False, "bf16-mixed", True, None),
 }
 NEW_TOKENS, GROUP, PROMPTS = 24, 8, 4
 
@@ -78,25 +83,26 @@ def run_case(name: str, model: Path, root: Path, dims: dict[str, int]) -> dict[s
     import rlft.training.online as online
     from rlft.rollout.hf import HFEngine
 
-    method, lora, dtype, ckpt, micro = CASES[name]
+    method, lora, precision, ckpt, micro = CASES[name]
+    dtype = "fp32" if precision.endswith("-mixed") else precision  # the weights: fp32 masters under -mixed
     base = {"output_dir": str(root / "runs" / name), "seed": 0, "lora": {"enabled": lora},
-            "model": {"path": str(model), "device": "cpu", "dtype": dtype, "gradient_checkpointing": ckpt},
+            "model": {"path": str(model), "device": "cpu", "gradient_checkpointing": ckpt},
             "logging": {"progress": False}}
     if method == "sft":
         config = {**base, "method": "sft", "data": {"train": str(root / "sft.jsonl"), "max_length": 128},
                   "training": {"learning_rate": 1e-4, "batch_size": 16, "micro_batch_size": micro, "max_steps": 2,
-                               "num_threads": 1}}
+                               "num_threads": 1, "precision": precision}}
         setting = PlanInput(method="sft", micro_batch_size=micro, batch_size=16, seq_len=dims["sft_len"],
-                            completion_len=dims["sft_targets"], lora=lora, precision=dtype, param_dtype=dtype,
+                            completion_len=dims["sft_targets"], lora=lora, precision=precision, param_dtype=dtype,
                             gradient_checkpointing=ckpt, device_type="cpu")
     else:
         config = {**base, "method": "grpo", "data": {"train": str(root / "prompts.jsonl")},
-                  "training": {"learning_rate": 1e-4, "max_steps": 2, "num_threads": 1},
+                  "training": {"learning_rate": 1e-4, "max_steps": 2, "num_threads": 1, "precision": precision},
                   "rollout": {"group_size": GROUP, "prompts_per_step": PROMPTS, "max_new_tokens": NEW_TOKENS,
                               "stop": ["7"]},
                   "rewards": [{"fn": f"{root / 'rewards.py'}:digits"}]}
         rows = GROUP * PROMPTS
-        setting = PlanInput(method="online", micro_batch_size=rows, batch_size=rows, lora=lora, precision=dtype,
+        setting = PlanInput(method="online", micro_batch_size=rows, batch_size=rows, lora=lora, precision=precision,
                             param_dtype=dtype, gradient_checkpointing=ckpt, device_type="cpu",
                             seq_len=dims["prompt_len"] + NEW_TOKENS, completion_len=NEW_TOKENS, group_size=GROUP,
                             prompts_per_step=PROMPTS, reference=True)

@@ -1,6 +1,6 @@
 """What happens around the training loop, end to end on the tiny model: mixed data sources in
 online and offline runs, the SFT term in online RL (`algorithm.sft_mix`), evaluation suites during
-training and from `rlft eval RUN`, and the memory check `rlft train` runs before loading weights."""
+training and from `rlft eval RUN` (the memory check before loading weights: test_memory_fit.py)."""
 
 from __future__ import annotations
 
@@ -175,22 +175,6 @@ def test_suites_run_during_sft(root, tmp_path):
     train(cfg)
     rows = _metrics(tmp_path / "run")
     assert [r["step"] for r in rows if "eval/arith/accuracy" in r] == [2, 4]
-
-
-def test_train_warns_before_loading_when_the_plan_does_not_fit(root, monkeypatch, capsys):
-    import rlft.cli_plan as cli_plan
-
-    monkeypatch.setattr(cli_plan, "_available_ram", lambda: 1 << 20)  # 1 MiB free
-    cfg = _online(root, "tight", training={"max_steps": 1})
-    train(cfg)
-    out = capsys.readouterr()
-    text = out.out + out.err
-    assert "memory plan" in text and "does NOT fit" in text, text
-
-    monkeypatch.setattr(cli_plan, "_available_ram", lambda: 1 << 40)
-    train(_online(root, "roomy", training={"max_steps": 1}))
-    out = capsys.readouterr()
-    assert "memory plan" not in out.out + out.err
 
 
 def test_data_screen_and_pairs_run_with_the_configs_own_model(root, tmp_path, monkeypatch, capsys):

@@ -50,7 +50,9 @@ def test_qwen7b_static_memory_matches_the_reference_figures(qwen7b):
     assert parts["weights"] + parts["gradients"] + parts["AdamW states"] == 16 * p
     mixed = by_name(plan_memory(qwen7b, PlanInput(method="sft", precision="bf16-mixed", param_dtype="bf16")))
     assert mixed["weights (fp32 master)"] + mixed["gradients"] + mixed["AdamW states"] == 16 * p
-    assert mixed["weights (bf16/fp16 working copy)"] == 2 * p
+    # autocast casts the decoder linears (weights + q/k/v biases, not the norms or the embedding; the
+    # head's cast is the output head's): 28 x (233,057,792 - 2 x 3584) = 6,525,417,472 x 2 B
+    assert mixed["weights (bf16/fp16 working copy)"] == 2 * 6_525_417_472
     lora = by_name(plan_memory(qwen7b, PlanInput(method="sft", lora=True)))
     static = lora["weights (frozen base)"] + lora["LoRA weights"] + lora["LoRA gradients"] + lora["LoRA AdamW states"]
     # bf16 base 2 B x 7.62B + fp32 adapters 16 B x 40.4M = 15.88e9 B: "~16 GB"
@@ -153,3 +155,39 @@ def test_rlft_plan_command(tmp_path):
     assert result.exit_code == 0, result.output
     assert "rollout KV cache" in result.output and "L4 24GB" in result.output
     assert "does NOT fit on L4 24GB" in result.output and "gradient checkpointing" in result.output
+
+
+def test_plan_lengths_come_from_the_data(qwen_path, tmp_path):
+    from conftest import write_jsonl
+    from rlft.cli_plan import plan_input_from_config, plan_report
+    from rlft.config import ModelConfig, load_config
+    from rlft.data.sft_examples import make_sft_encoder
+    from rlft.data.readers import read_rows
+    from rlft.models.loading import load_tokenizer
+    from rlft.models.template import encode_prompt, end_of_turn_ids
+    from rlft.plan_lengths import data_lengths
+
+    short, long = "Count to 5.", "Count to 5, then back to 1, and say each number twice."
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": short}, {"prompt": long}, {"prompt": short}])
+    tok = load_tokenizer(ModelConfig(path=str(qwen_path)))
+    longest = len(encode_prompt(tok, [{"role": "user", "content": long}]))  # the chat template's tokens too
+    cfg = load_config({"method": "grpo", "output_dir": str(tmp_path / "run"), "model": {"path": str(qwen_path)},
+                       "data": {"train": str(tmp_path / "prompts.jsonl"), "max_prompt_length": 512},
+                       "rollout": {"max_new_tokens": 16}, "rewards": [{"fn": "math"}]})
+    lengths = data_lengths(cfg)
+    assert (lengths.prompt, lengths.sequence, lengths.scanned, lengths.total) == (longest, longest + 16, 3, 3)
+    assert plan_input_from_config(cfg, lengths=lengths).seq_len == longest + 16
+    assert plan_input_from_config(cfg).seq_len == 512 + 16  # no lengths: the worst case
+    report = plan_report(cfg, memory_gb=1)
+    assert f"longest templated prompt {longest} tokens (all 3 rows of prompts.jsonl)" in report
+    assert "lengths: worst case, data.max_prompt_length 512" in plan_report(cfg, memory_gb=1, worst_case=True)
+
+    rows = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello " * n}]}
+            for n in (1, 9, 3)]
+    write_jsonl(tmp_path / "sft.jsonl", rows)
+    sft = load_config({"method": "sft", "output_dir": str(tmp_path / "sft"), "model": {"path": str(qwen_path)},
+                       "data": {"train": str(tmp_path / "sft.jsonl"), "max_length": 1024}})
+    encoded = [make_sft_encoder(tok, end_of_turn_ids(tok), 1024)(r) for r in read_rows(str(tmp_path / "sft.jsonl"))]
+    setting = plan_input_from_config(sft, lengths=data_lengths(sft))
+    assert setting.seq_len == max(len(e.input_ids) for e in encoded) < 1024
+    assert setting.completion_len == max(sum(e.target_mask) for e in encoded)

@@ -1,5 +1,9 @@
 """The live-tensor tracker on hand-computed cases, and the planner against the peak it measures in
-real rlft training runs on the tiny model (SFT, GRPO, LoRA GRPO)."""
+real rlft training runs on the tiny model (SFT, GRPO, LoRA GRPO), each in fp32 and in bf16-mixed.
+
+Every run pins `training.precision` (the planner is told the same): `auto` would be bf16-mixed on a
+CPU with AMX / AVX512-BF16 and fp32 elsewhere, and the two hold different tensors. The runs are
+tiny (two steps of a ~1M-parameter model) because bf16 is slow on CPUs without bf16 units."""
 
 from __future__ import annotations
 
@@ -99,7 +103,11 @@ def _check(plan, measured: int, phases: dict[str, int]) -> None:
     assert plan.peak_phase == max(phases, key=phases.get)  # the same phase is the peak
 
 
-def test_plan_matches_measured_sft_peak(qwen_path, data, tmp_path):
+PRECISIONS = pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+
+
+@PRECISIONS
+def test_plan_matches_measured_sft_peak(qwen_path, data, tmp_path, precision):
     from rlft.config import ModelConfig
     from rlft.data.readers import read_rows
     from rlft.data.sft_examples import make_sft_encoder
@@ -113,19 +121,21 @@ def test_plan_matches_measured_sft_peak(qwen_path, data, tmp_path):
     seq_len, targets = len(examples[0].input_ids), sum(examples[0].target_mask)
     config = {"method": "sft", "output_dir": str(tmp_path / "sft"), "model": {"path": str(qwen_path), "device": "cpu"},
               "data": {"train": str(data / "sft.jsonl"), "max_length": 128},
-              "training": {"learning_rate": 1e-3, "batch_size": 16, "max_steps": 2, "num_threads": 1},
+              "training": {"learning_rate": 1e-3, "batch_size": 16, "max_steps": 2, "num_threads": 1,
+                           "precision": precision},
               "logging": {"progress": False}}
     measured, phases = _measure(config)
     from transformers import AutoConfig
 
     plan = plan_memory(AutoConfig.from_pretrained(qwen_path), PlanInput(
-        method="sft", precision="fp32", param_dtype="fp32", device_type="cpu", micro_batch_size=16, batch_size=16,
+        method="sft", precision=precision, param_dtype="fp32", device_type="cpu", micro_batch_size=16, batch_size=16,
         seq_len=seq_len, completion_len=targets))
     _check(plan, measured, phases)
 
 
+@PRECISIONS
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_plan_matches_measured_grpo_peak(qwen_path, data, tmp_path, lora):
+def test_plan_matches_measured_grpo_peak(qwen_path, data, tmp_path, lora, precision):
     from transformers import AutoConfig
 
     from rlft.config import ModelConfig
@@ -139,12 +149,12 @@ def test_plan_matches_measured_grpo_peak(qwen_path, data, tmp_path, lora):
     config = {"method": "grpo", "output_dir": str(tmp_path / "grpo"), "seed": 0,
               "model": {"path": str(qwen_path), "device": "cpu"}, "lora": {"enabled": lora},
               "data": {"train": str(data / "prompts.jsonl")},
-              "training": {"learning_rate": 1e-3, "max_steps": 2, "num_threads": 1},
+              "training": {"learning_rate": 1e-3, "max_steps": 2, "num_threads": 1, "precision": precision},
               "rollout": {"group_size": 8, "prompts_per_step": 4, "max_new_tokens": new_tokens},
               "rewards": [{"fn": f"{data / 'rewards.py'}:digits"}], "logging": {"progress": False}}
     measured, phases = _measure(config)
     plan = plan_memory(AutoConfig.from_pretrained(qwen_path), PlanInput(
-        method="online", lora=lora, precision="fp32", param_dtype="fp32", device_type="cpu",
+        method="online", lora=lora, precision=precision, param_dtype="fp32", device_type="cpu",
         micro_batch_size=32, batch_size=32, seq_len=lengths.pop() + new_tokens, completion_len=new_tokens,
         group_size=8, prompts_per_step=4, reference=True))  # grpo's default kl_coef 0.04 > 0
     _check(plan, measured, phases)

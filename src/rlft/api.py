@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +9,6 @@ from rich.markup import escape
 
 from rlft.config import Config, load_config
 from rlft.errors import ResumeError
-from rlft.launch import CHECKED_ENV
 from rlft.training import checkpoint as ckpt
 
 
@@ -36,24 +34,30 @@ def train(config: Config | dict[str, Any] | str | Path, overrides: list[str] | N
 
         # FSDP2 cannot shard bitsandbytes' packed parameters
         raise ConfigError("model.quantization=4bit trains on one GPU; run without --nproc / torchrun")
-    if world.main and not os.environ.get(CHECKED_ENV):  # (rlft train --nproc checked it in the launcher)
-        from rlft.cli_plan import memory_preflight
-        from rlft.monitor.console import console
+    # the memory plan before any weight loads: the cheapest memory savers that fit, or a clean stop
+    from rlft.memory_fit import fit_memory
+    from rlft.monitor.console import console
 
-        # the memory plan before any weight loads: a warning, not a refusal
-        warning = memory_preflight(cfg, world.size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        if warning:
-            console.print(f"[bold yellow]warning: {escape(warning)}")
+    fit = fit_memory(cfg, world, resolve_device(cfg.model.device))
+    cfg = fit.config
+    if world.main and fit.message:
+        console.print(f"[bold yellow]{escape(fit.message)}")
     if world.active:
         model = cfg.model.model_copy(update={"device": local_device(cfg.model.device, world)})
         cfg = cfg.model_copy(update={"model": model})
     if cfg.is_online:
         from rlft.training.online import run_online
 
-        return run_online(cfg, world)
-    from rlft.training.offline import run_offline
+        summary = run_online(cfg, world)
+    else:
+        from rlft.training.offline import run_offline
 
-    return run_offline(cfg, world=world)
+        summary = run_offline(cfg, world=world)
+    if fit.record and world.main:
+        from rlft.monitor.rundir import RunDir
+
+        summary = RunDir(cfg.output_dir).update_summary({"memory_fit": fit.record})
+    return summary
 
 
 def resume(run_dir: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:

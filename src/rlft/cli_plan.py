@@ -25,11 +25,12 @@ def plan_precision(config: Config, local_device: Any = None) -> str:
     return "bf16-mixed" if config.training.precision == "auto" else config.training.precision
 
 
-def plan_input_from_config(config: Config, world_size: int = 1, local_device: Any = None) -> Any:
-    """The planner's flat settings for an rlft config: worst-case lengths (max prompt + max new
-    tokens; every SFT token a target), the run's precision (see plan_precision: fp32 master
-    weights and AdamW states under *-mixed; fp32 around a 4-bit base) and torch's foreach AdamW as
-    on a GPU."""
+def plan_input_from_config(config: Config, world_size: int = 1, local_device: Any = None, lengths: Any = None) -> Any:
+    """The planner's flat settings for an rlft config: lengths from `lengths` (a
+    plan_lengths.DataLengths: the longest templated row of the data, plus max_new_tokens online) or
+    else the worst case (max prompt + max new tokens; every SFT token a target), the run's precision
+    (see plan_precision: fp32 master weights and AdamW states under *-mixed; fp32 around a 4-bit
+    base) and torch's foreach AdamW as on a GPU."""
     from rlft.plan import PlanInput
 
     d, t, r, a = config.data, config.training, config.rollout, config.algorithm
@@ -51,15 +52,20 @@ def plan_input_from_config(config: Config, world_size: int = 1, local_device: An
                      local_device.type in ("cuda", "cpu") else {}))
     if config.is_online:
         per_minibatch = max(1, r.group_size * r.prompts_per_step // world_size // a.minibatches)
+        seq_len = lengths.sequence if lengths is not None else d.max_prompt_length + r.max_new_tokens
         return PlanInput(method="ppo" if config.method == "ppo" else "online", **common,
                          micro_batch_size=min(a.micro_batch_size or per_minibatch, per_minibatch),
-                         batch_size=per_minibatch, seq_len=d.max_prompt_length + r.max_new_tokens,
+                         batch_size=per_minibatch, seq_len=seq_len,
                          completion_len=r.max_new_tokens, group_size=r.group_size, prompts_per_step=r.prompts_per_step,
                          rollout_batch_size=r.batch_size, reference=a.kl_coef > 0 or a.kl_target is not None,
                          critic=config.critic.kind, engine=r.engine, fast_decode=r.fast_decode)
     micro = t.micro_batch_size or t.batch_size
+    if lengths is not None:
+        seq_len, targets = lengths.sequence, max(1, min(lengths.targets, lengths.sequence))
+    else:
+        seq_len, targets = d.max_length, d.max_length - 1 if config.method == "dpo" else d.max_length
     return PlanInput(method=config.method, **common, micro_batch_size=micro, batch_size=t.batch_size,
-                     seq_len=d.max_length, completion_len=d.max_length - 1 if config.method == "dpo" else d.max_length,
+                     seq_len=seq_len, completion_len=targets,
                      reference=config.method == "dpo" and not config.dpo.precompute_ref)
 
 
@@ -77,24 +83,36 @@ def read_model_config(path: str, revision: str | None = None, trust_remote_code:
                         "Fix: model.path must be a local checkpoint folder or a reachable hub id") from None
 
 
+def plan_lengths(config: Config, worst_case: bool = False) -> tuple[Any, str]:
+    """(DataLengths or None, the line that says which lengths the plan assumes)."""
+    from rlft.plan_lengths import data_lengths, worst_case_note
+
+    lengths = None if worst_case else data_lengths(config)
+    if lengths is not None:
+        return lengths, lengths.describe(config)
+    why = "" if worst_case else " (the data or tokenizer could not be read here)"
+    return None, worst_case_note(config) + why
+
+
 def plan_report(config: Config, device: str | None = None, memory_gb: float | None = None,
-                world_size: int = 1) -> str:
-    from rlft.plan import GiB, Verdict, advise, device_capacity, plan_memory
+                world_size: int = 1, worst_case: bool = False) -> str:
+    from rlft.plan import Verdict, advise, device_capacity, plan_memory, size_text
 
     model_cfg = read_model_config(config.model.path, config.model.revision, config.model.trust_remote_code)
+    lengths, note = plan_lengths(config, worst_case)
     try:
-        setting = plan_input_from_config(config, world_size)
+        setting = plan_input_from_config(config, world_size, lengths=lengths)
         label, capacity = device_capacity(device, memory_gb)
         plan = plan_memory(model_cfg, setting)
     except ValueError as exc:
         raise ConfigError(f"rlft plan: {exc}") from None
     verdict = Verdict(label, capacity, plan.total)
     lines = [f"memory plan for {config.method} on {config.model.path} ({world_size} rank(s))", "", plan.table(), "",
-             "assumptions:", *[f"  - {a}" for a in plan.assumptions], "", verdict.text()]
+             "assumptions:", f"  - {note}", *[f"  - {a}" for a in plan.assumptions], "", verdict.text()]
     advice = advise(model_cfg, setting, capacity)
     if advice:
         lines += ["", "changes that lower the peak (largest effect first):"]
-        lines += [f"  - {a.change}: {a.total / GiB:.1f} GiB{' (fits)' if a.fits else ''}" for a in advice]
+        lines += [f"  - {a.change}: {size_text(a.total)}{' (fits)' if a.fits else ''}" for a in advice]
     return "\n".join(lines)
 
 
@@ -104,59 +122,13 @@ def plan(
     device: Optional[str] = typer.Option(None, "--device", help="e.g. 'H100 80GB', 'A100 40GB', 'L4 24GB'."),
     memory_gb: Optional[float] = typer.Option(None, "--memory-gb", help="Device memory in GiB (instead of --device)."),
     world_size: int = typer.Option(1, "--world-size", min=1, help="Ranks sharing the model (FSDP)."),
+    worst_case: bool = typer.Option(False, "--worst-case", help="Plan every row at data.max_prompt_length / "
+                                    "data.max_length instead of the longest row in the data."),
 ) -> None:
     """Estimate the memory of a training run before loading any weights."""
     from rlft.config import load_config
 
-    typer.echo(plan_report(load_config(config_path, list(overrides or [])), device, memory_gb, world_size))
-
-
-def memory_preflight(config: Config, world_size: int = 1, local_ranks: int = 1) -> str | None:
-    """What `rlft train` says before loading weights when the plan does not fit the run's own
-    device (CUDA: one rank's plan against its GPU's memory; CPU: the `local_ranks` ranks of this
-    machine against the memory available now); None when it fits or the model's config.json
-    cannot be read (loading then reports that)."""
-    import torch
-
-    from rlft.models.loading import resolve_device
-    from rlft.plan import GiB, Verdict, advise, plan_memory
-
-    device = resolve_device(config.model.device)
-    try:
-        model_cfg = read_model_config(config.model.path, config.model.revision, config.model.trust_remote_code)
-        setting = plan_input_from_config(config, world_size, device)
-        plan = plan_memory(model_cfg, setting)
-    except (RlftError, ValueError):
-        return None
-    if device.type == "cuda":
-        label, capacity = torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory
-        verdict = Verdict(label, capacity, plan.total)
-    else:
-        label, capacity = "this machine's available RAM", _available_ram()
-        if capacity is None:
-            return None
-        capacity //= local_ranks  # every rank of this machine holds its own copy of the plan
-        if local_ranks > 1:
-            label = f"this machine's available RAM split over {local_ranks} ranks"
-        verdict = Verdict(label, capacity, plan.total, context=0)
-    if verdict.fits:
-        return None
-    lines = [f"memory plan: about {plan.total / GiB:.1f} GiB at the peak; {verdict.text()}"]
-    fixes = [a for a in advise(model_cfg, setting, capacity, verdict.context) if a.fits][:3]
-    lines += [f"  - {a.change}: {a.total / GiB:.1f} GiB (fits)" for a in fixes]
-    ranks = f" --world-size {world_size}" if world_size > 1 else ""
-    lines.append(f"  details: rlft plan CONFIG --memory-gb {capacity / GiB:.1f}{ranks}")
-    return "\n".join(lines)
-
-
-def _available_ram() -> int | None:
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    typer.echo(plan_report(load_config(config_path, list(overrides or [])), device, memory_gb, world_size, worst_case))
 
 
 def register(app: typer.Typer) -> None:

@@ -157,6 +157,12 @@ class TrainingConfig(Section):
                                 "average leaves free (at least 1; printed at start): OpenMP threads spinning on a "
                                 "busy core made steps 10-40x slower. Set above the free cores: a warning. Set it "
                                 "for bitwise-reproducible runs (the count can change float summation order).")
+    memory_limit_gb: float | None = Field(
+        None, gt=0, description="Memory (GiB) the run may use. Before loading weights rlft plans the run's memory "
+                                "against it (unset: the GPU's memory, or on CPU the available RAM and any "
+                                "RLIMIT_AS limit) and, if the plan does not fit, turns on the cheapest of "
+                                "micro-batching, gradient checkpointing and smaller rollout batches that fits; "
+                                "settings written in the config are kept. Nothing fits: an error before loading.")
     max_consecutive_nonfinite: int = Field(
         3, ge=1, description="Stop after this many consecutive steps skipped for a non-finite loss/grad norm.")
     dist_timeout_s: float = Field(

@@ -21,7 +21,6 @@ from pathlib import Path
 
 from rlft.config import Config, load_config
 from rlft.errors import ConfigError
-from rlft.monitor.console import console
 
 # set for the ranks of a launch whose checks the launcher already made (they skip the repeats)
 CHECKED_ENV = "RLFT_LAUNCH_CHECKED"
@@ -31,9 +30,7 @@ def check_launch(config: Config, nproc: int) -> None:
     """What every rank would find out for itself, found once: raises an RlftError for a mistake
     and prints the memory plan's warning (all N ranks of this machine count against its RAM on
     CPU; each rank has its own GPU on CUDA)."""
-    from rich.markup import escape
-
-    from rlft.cli_plan import memory_preflight, read_model_config
+    from rlft.cli_plan import read_model_config
     from rlft.data.readers import check_source
     from rlft.models.gguf import gguf_source
     from rlft.models.loading import resolve_device
@@ -52,9 +49,12 @@ def check_launch(config: Config, nproc: int) -> None:
             check_source(source, name)
     if gguf_source(config.model.path, config.model.gguf_file) is None:  # (a GGUF source is checked by that)
         read_model_config(config.model.path, config.model.revision, config.model.trust_remote_code)
-    warning = memory_preflight(config, nproc, local_ranks=nproc)
-    if warning:
-        console.print(f"[bold yellow]warning: {escape(warning)}")
+    # a plan that cannot fit stops here, before any rank starts; what fits is chosen (and said) by the
+    # ranks themselves, which all choose the same
+    from rlft.memory_fit import fit_memory
+    from rlft.training.distributed import SINGLE
+
+    fit_memory(config, SINGLE, device, local_ranks=nproc, world_size=nproc)
 
 
 def check_devices(nproc: int, device_type: str) -> None:

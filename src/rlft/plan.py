@@ -6,9 +6,10 @@ largest phase, not the sum of everything:
 
 - `static`: weights, fp32 master weights, optimizer states, the reference model and a separate
   critic -- alive for the whole run;
-- `update`: saved activations, the logits and their log-softmax during forward/backward, and the
-  gradients when micro-batches are accumulated (with one micro-batch, backward frees a layer's
-  activations as it fills that layer's gradients, so the two never add up);
+- `update`: saved activations, the output head's working set (`head_bytes`: it never holds whole
+  [tokens, V] logits), autocast's weight casts, and the gradients when micro-batches are
+  accumulated (with one micro-batch, backward frees a layer's activations as it fills that
+  layer's gradients, so the two never add up);
 - `recompute` (gradient checkpointing): the layer inputs, one rebuilt layer and the gradients;
 - `rollout` (online methods, hf engine): the KV cache and the engine's working copies while sampling;
 - `optimizer`: the gradients and the optimizer step's temporaries (torch's foreach AdamW on GPU).
@@ -20,8 +21,10 @@ in `benchmarks/plan_vs_measured.py`. Per token and layer, with b bytes per activ
 H hidden, Q = heads x head_dim, I intermediate, T the sequence length:
   - each RMSNorm: its input in fp32 and rsqrt (4H + 4), and the normalised tensor (bH) when its
     weight trains;
-  - the inputs of the linears (bH twice, bI for down_proj) when their weights train; under LoRA
-    each adapted linear keeps its own fp32 dropout output instead (see `_linear_input_bytes`);
+  - the inputs of the linears (bH twice, bI for down_proj) when their weights train; under
+    autocast (*-mixed) each linear reading a norm's fp32 output keeps its own bf16 cast (5 x 2H);
+    under LoRA each adapted linear keeps its own copy of its input instead, fp32 or, under
+    autocast, bf16 (see `_linear_input_bytes`);
   - attention (sdpa): q, k, v and the output (4bQ; padded batches pass a mask, so transformers
     repeats grouped K/V heads to the full head count before sdpa), log-sum-exp (4 x heads) and the
     additive mask (bT); eager attention keeps the [heads, T] softmax in fp32 (4 x heads x T), its
@@ -40,7 +43,6 @@ from typing import Any, Literal
 GiB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LOGPROB_CHUNK_ROWS = 16  # rlft.models.forward computes log-softmax in row chunks of this size
 # model.quantization=4bit stores each decoder linear's weight in NF4 with double quantisation (Dettmers
 # et al. 2023, QLoRA, arXiv:2305.14314, sec. 3; bitsandbytes' defaults): 4 bits per weight, one absmax
 # per block of 64 weights kept in 8 bits (8/64 bit per weight), and one fp32 absmax per 256 of those
@@ -258,30 +260,33 @@ def _norm_bytes(s: PlanInput, h: int) -> int:
     return 4 * h + 4 + (0 if s.lora else (4 if s.mixed else s.act_bytes) * h)
 
 
-def _linear_input_bytes(s: PlanInput, fan_in: int, readers: tuple[str, ...]) -> int:
-    """What the linears reading one input (per token) keep for backward.
+def _linear_input_bytes(s: PlanInput, fan_in: int, readers: tuple[str, ...], fp32_input: bool = False) -> int:
+    """What the linears reading one input (per token) keep for backward; `fp32_input`: the input is
+    an RMSNorm's output, which stays fp32 under autocast (the residual stream is fp32).
 
-    A trained weight keeps its input once (shared by the readers). Under LoRA the frozen base keeps
-    nothing; each adapted reader runs its own dropout in fp32 (peft upcasts bf16/fp16 inputs to the
-    adapter's fp32): CUDA's fused dropout keeps the output and a one-byte mask, CPU's the output and
-    an fp32 noise tensor; without dropout lora_A keeps its (cast) input. lora_A's
-    rank-r output is kept by lora_B."""
+    A trained weight keeps its input once (shared by the readers), except under autocast, where
+    each linear casts an fp32 input to bf16 itself (autocast caches casts of weights, not of
+    activations) and keeps its own copy. Under LoRA the frozen base keeps nothing; each adapted
+    reader keeps its own copy: peft casts the input to the adapter's fp32 and lora_A saves that, or
+    under autocast lora_A's bf16 cast of it. With dropout (fp32) CUDA's fused kernel keeps a
+    one-byte mask, CPU's an fp32 noise tensor, and without autocast lora_A keeps the fp32 output.
+    lora_A's rank-r output (fp32, bf16 under autocast) is kept by lora_B."""
     b = s.act_bytes
     if not s.lora:
-        return b * fan_in
+        return (len(readers) if s.mixed and fp32_input else 1) * b * fan_in
     adapted = [r for r in readers if r in lora_targets(s.lora_targets)]
     if not adapted:
         return 0
-    cast = b < 4
-    per_reader, shared = 4 * s.lora_r, 0
-    if s.dropout_active and s.device_type == "cuda":
-        per_reader += 5 * fan_in
-    elif s.dropout_active:
-        per_reader += 8 * fan_in
-    elif cast:
-        per_reader += 4 * fan_in
+    if s.mixed:  # lora_A's input is autocast's bf16/fp16 cast, its output bf16/fp16 too
+        per_reader, shared = b * (s.lora_r + fan_in), 0
     else:
-        shared = b * fan_in
+        per_reader, shared = 4 * s.lora_r, 0
+        if b < 4 or s.dropout_active:  # peft's fp32 cast (pure bf16) or the dropout output
+            per_reader += 4 * fan_in
+        else:
+            shared = b * fan_in
+    if s.dropout_active:
+        per_reader += (1 if s.device_type == "cuda" else 4) * fan_in  # the mask / the noise
     return len(adapted) * per_reader + shared
 
 
@@ -296,35 +301,25 @@ def layer_activation_bytes(m: ModelShape, s: PlanInput, seq_len: int) -> int:
         o_in = _linear_input_bytes(s, q, ("o_proj",))
     mlp = 3 * b * i  # gate, silu(gate), up
     return (2 * _norm_bytes(s, h) + attn + mlp + o_in
-            + _linear_input_bytes(s, h, ("q_proj", "k_proj", "v_proj"))
-            + _linear_input_bytes(s, h, ("gate_proj", "up_proj"))
+            + _linear_input_bytes(s, h, ("q_proj", "k_proj", "v_proj"), fp32_input=True)
+            + _linear_input_bytes(s, h, ("gate_proj", "up_proj"), fp32_input=True)
             + _linear_input_bytes(s, i, ("down_proj",)))
 
 
-def logits_bytes(m: ModelShape, s: PlanInput, rows: int, kept: int, targets: int) -> int:
-    """Peak of the output head's tensors for `rows` sequences with logits at `kept` positions.
+def head_bytes(m: ModelShape, s: PlanInput, tokens: int) -> int:
+    """Peak of the output head for `tokens` scored tokens (rlft.models.head_logprobs: the logits are
+    never held whole). Kept for backward: the picked hidden states [tokens, H] (fp32 unless pure
+    bf16), and in backward their gradient; working set: one block of logits (chunk x vocabulary
+    slice) in fp32 three times (logits, exp, the product or gradient), its matmul output in the
+    compute dtype, and the head weight cast to the compute dtype."""
+    from rlft.models.head_logprobs import block_shape
 
-    Log-probs (online, dpo): logits [rows, kept, V] in the compute dtype, an fp32 copy saved for
-    backward when that is lower precision, fp32 log-softmax temporaries for one chunk of 16 rows
-    (entropy is measured in the same chunks), and in backward the logits' gradient plus the copy
-    slicing makes of it. SFT: all positions' logits, the target rows gathered and their fp32
-    log-softmax, in backward its gradient and the scattered full-size gradient."""
     b, v = s.act_bytes, m.vocab
-    full_b, full32 = rows * kept * v * b, rows * kept * v * 4
-    chunk32 = min(rows, LOGPROB_CHUNK_ROWS) * kept * v * 4
-    if s.method == "sft":
-        picked_b, picked32 = rows * targets * v * b, rows * targets * v * 4
-        upcast = picked32 if b < 4 else 0
-        forward = full_b + picked_b + upcast + picked32
-        backward = 2 * picked32 + full_b
-        return max(forward, backward)
-    upcast = full32 if b < 4 else 0
-    entropy_tmp = (3 + (b < 4)) * chunk32 if s.online else 0
-    # dpo scores the reference after the policy's forward, while the policy's logits are kept
-    reference = full_b + chunk32 if s.method == "dpo" and s.reference else 0
-    forward = full_b + upcast + max(entropy_tmp, chunk32) + reference
-    backward = full_b + upcast + 2 * full_b + chunk32
-    return max(forward, backward)
+    state_bytes = 2 if s.precision in ("bf16", "fp16") else 4
+    chunk, vb = block_shape(tokens, v)
+    block = chunk * vb * (3 * 4 + (b if b < 4 else 0))
+    cast = v * m.hidden * b if b < 4 else 0
+    return tokens * m.hidden * (state_bytes + 4) + block + cast
 
 
 def _static(m: ModelShape, s: PlanInput, out: list[Component], notes: list[str]) -> int:
@@ -355,8 +350,9 @@ def _static(m: ModelShape, s: PlanInput, out: list[Component], notes: list[str])
         weight_bytes = 4 if s.mixed else DTYPE_BYTES[s.param_dtype]
         name = ""
         if s.mixed:
-            out.append(Component("weights (bf16/fp16 working copy)", 2 * total // n, ("update",),
-                                 "autocast's cast of each trainable weight, kept until backward"))
+            cast = m.layers * (m.layer_params() - 2 * m.hidden)  # the decoder linears (the head: head_bytes)
+            out.append(Component("weights (bf16/fp16 working copy)", 2 * cast // n, ("update",),
+                                 "autocast's cast of each trained linear weight, kept until backward"))
     label = (name + " " if name else "")
     out.append(Component(f"{label}weights" + (" (fp32 master)" if s.mixed and not s.lora else ""),
                          trainable * weight_bytes // n, ("static",),
@@ -428,9 +424,17 @@ def plan_memory(model_config: Any, setting: PlanInput) -> MemoryPlan:
                              "bf16 copies of the largest linear's weight and input while it runs"))
 
     if s.method != "reward_model":
-        kept = s.seq_len if s.method == "sft" else s.completion_len + 1
-        out.append(Component("logits + log-softmax", logits_bytes(m, s, rows, kept, s.completion_len), ("update",),
-                             f"[{rows}, {kept}, {m.vocab}]"))
+        scored = rows * s.completion_len
+        out.append(Component("output head (blocked log-softmax)", head_bytes(m, s, scored), ("update",),
+                             f"{scored} scored tokens' hidden states + one block of logits"))
+    if s.lora and s.mixed and s.quantization == "none":
+        # autocast caches casts of weights that require grad only: each frozen base linear casts its
+        # weight in every forward, and keeps the cast for backward (the input's gradient needs it)
+        casts = m.quantized_params() * b
+        out.append(Component("frozen weights' autocast casts", casts if not s.gradient_checkpointing
+                             else casts // m.layers, ("update", "recompute") if s.gradient_checkpointing else
+                             ("update",), "bf16/fp16 copies of the decoder linears, kept until backward"
+                             + (" (one layer at a time: checkpointing)" if s.gradient_checkpointing else "")))
 
     if s.method == "ppo":
         _critic(m, s, out, acts)
@@ -509,6 +513,11 @@ def device_capacity(device: str | None = None, memory_gb: float | None = None) -
     raise ValueError(f"unknown device {device!r}; known: {', '.join(DEVICES_MIB)} (or give the memory in GiB)")
 
 
+def size_text(n: int) -> str:
+    """Bytes as GiB, or MiB below one GiB (tiny models, tight limits)."""
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / 2**20:.1f} MiB"
+
+
 @dataclass(frozen=True)
 class Verdict:
     device: str
@@ -526,11 +535,11 @@ class Verdict:
         return self.total <= self.usable
 
     def text(self) -> str:
-        gap = (self.usable - self.total) / GiB
-        head = f"{self.device}: {self.capacity / GiB:.1f} GiB, about {self.usable / GiB:.1f} GiB usable"
+        gap = self.usable - self.total
+        head = f"{self.device}: {size_text(self.capacity)}, about {size_text(self.usable)} usable"
         if self.fits:
-            return f"fits on {head}; {gap:.1f} GiB headroom"
-        return f"does NOT fit on {head}; {-gap:.1f} GiB short"
+            return f"fits on {head}; {size_text(gap)} headroom"
+        return f"does NOT fit on {head}; {size_text(-gap)} short"
 
 
 @dataclass(frozen=True)

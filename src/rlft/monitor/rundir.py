@@ -26,7 +26,10 @@ from rlft.errors import RlftError
 # Settings that may differ when an existing run directory is continued.
 MAY_CHANGE = {"training.max_steps", "training.epochs", "checkpoint", "logging", "training.num_threads",
               "training.dist_timeout_s", "model.device",
-              "training.eval_every", "output_dir", "monitor", "adopt_output_dir"}
+              "training.eval_every", "output_dir", "monitor", "adopt_output_dir",
+              # memory, not maths (the memory fit may choose them differently on another machine)
+              "training.memory_limit_gb", "model.gradient_checkpointing", "training.micro_batch_size",
+              "algorithm.micro_batch_size", "rollout.batch_size"}
 MARKER = ".rlft-run"
 LOCK = ".rlft-run.lock"
 

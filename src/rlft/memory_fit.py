@@ -1,0 +1,251 @@
+"""Defaults that fit: before any weight loads, `rlft train` plans the run's memory for its device and,
+when the plan does not fit, turns on the cheapest set of memory savers that makes it fit.
+
+The budget (`run_budget`): `training.memory_limit_gb` when set; else a CUDA GPU's memory (less the
+CUDA context); else the host's available RAM, capped by what is left of an address-space limit
+(RLIMIT_AS, `ulimit -v`) less `VIRTUAL_RESERVE`. The plan must fit in 90% of it (the allocator's
+fragmentation, as `plan.Verdict`).
+
+The savers, each used only where the config leaves it at its default (a value written in the
+config, even the default one, is never changed), with a rough cost in extra step time:
+- micro-batching the update (`algorithm.micro_batch_size` online, `training.micro_batch_size`
+  offline), halved down to 1: the same loss and gradient (global normalisers); smaller matmuls
+  and one more pass over the weights per micro-batch: +5% per extra micro-batch;
+- activation checkpointing (`model.gradient_checkpointing`): each layer's forward runs twice: +33%;
+- sampling in smaller batches (`rollout.batch_size`, hf engine), halved: decoding is bound by
+  reading the weights, so each extra batch costs about another decode pass: +50% each.
+The fitting combination with the least cost is chosen (ties: the smaller peak). The output head
+needs no switch: it always works on blocks of logits (`rlft.models.head_logprobs`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import resource
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from rlft.config import Config
+from rlft.errors import RlftError
+
+GiB = 2**30
+# Under RLIMIT_AS every mapping counts, not only live tensors: libraries mapped after this check,
+# thread stacks, glibc's malloc arenas and the heap it does not give back. Measured on CPU (~28M
+# model GRPO, one thread, benchmarks/memory_fit_demo.py): the peak address space exceeded the
+# address space at this check plus the plan by 0.82-1.06 GiB; half a GiB more is kept for margin.
+VIRTUAL_RESERVE = 3 * GiB // 2
+COST_MICRO, COST_CHECKPOINT, COST_ROLLOUT_SPLIT = 0.05, 0.33, 0.5
+
+
+@dataclass(frozen=True)
+class Budget:
+    label: str
+    capacity: int  # bytes the run may use
+    context: int = 0  # of which held by something else (the CUDA context)
+
+
+@dataclass
+class Fit:
+    """The outcome: `config` to run with (the given one when nothing changed), what changed and why."""
+
+    config: Config
+    changes: dict[str, Any] = field(default_factory=dict)  # dotted field -> the value chosen
+    message: str = ""
+    record: dict[str, Any] = field(default_factory=dict)  # for summary.json
+
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _virtual_size() -> int:
+    """This process's mapped address space now (VmSize), bytes."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def address_space_left() -> int | None:
+    """What an RLIMIT_AS soft limit leaves for the run (None: no limit)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    return max(soft - _virtual_size() - VIRTUAL_RESERVE, 0)
+
+
+def run_budget(config: Config, device: Any, local_ranks: int = 1) -> Budget | None:
+    """The memory one rank of this run may use on `device` (a torch.device), or None when unknown.
+    On CPU the `local_ranks` ranks of this machine share its RAM, each holding its own plan."""
+    limit = config.training.memory_limit_gb
+    if limit is not None:
+        return Budget(f"training.memory_limit_gb={limit:g}", int(limit * GiB))
+    if device.type == "cuda":
+        import torch
+
+        from rlft.plan import CUDA_CONTEXT
+
+        return Budget(torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory,
+                      CUDA_CONTEXT)
+    if device.type != "cpu":
+        return None
+    available, left = _meminfo_available(), address_space_left()
+    if left is not None and (available is None or left < available // local_ranks):
+        return Budget(f"the address-space limit (RLIMIT_AS; {left / GiB:.1f} GiB left after "
+                      f"{VIRTUAL_RESERVE / GiB:g} GiB reserved for mappings)", left)
+    if available is None:
+        return None
+    if local_ranks > 1:
+        return Budget(f"this machine's available RAM split over {local_ranks} ranks", available // local_ranks)
+    return Budget("this machine's available RAM", available)
+
+
+@dataclass(frozen=True)
+class _Option:
+    changes: dict[str, Any]
+    setting: Any  # PlanInput
+    cost: float
+
+
+def _options(config: Config, base: Any) -> list[_Option]:
+    """Every combination of the savers the config leaves free, with its cost."""
+    online = config.is_online
+    gc_free = "gradient_checkpointing" not in config.model.model_fields_set and not config.model.gradient_checkpointing
+    micro_free = (config.algorithm.micro_batch_size if online else config.training.micro_batch_size) is None
+    micro_key = "algorithm.micro_batch_size" if online else "training.micro_batch_size"
+    rows = base.batch_size or base.micro_batch_size
+    micros = [base.micro_batch_size]
+    if micro_free:
+        m = base.micro_batch_size
+        while m > 1:
+            m = (m + 1) // 2
+            micros.append(m)
+    gen_rows = base.group_size * base.prompts_per_step
+    rollouts: list[int | None] = [base.rollout_batch_size]
+    if online and config.rollout.engine == "hf" and config.rollout.batch_size is None:
+        r = gen_rows
+        while r > 1:
+            r = (r + 1) // 2
+            rollouts.append(r)
+    out = []
+    for gc, micro, gen in itertools.product([False, True] if gc_free else [base.gradient_checkpointing],
+                                            micros, rollouts):
+        changes: dict[str, Any] = {}
+        cost = 0.0
+        if gc and gc_free:
+            changes["model.gradient_checkpointing"] = True
+            cost += COST_CHECKPOINT
+        if micro != base.micro_batch_size:
+            changes[micro_key] = micro
+            cost += COST_MICRO * (-(-rows // micro) - -(-rows // base.micro_batch_size))
+        if gen != base.rollout_batch_size:
+            changes["rollout.batch_size"] = gen
+            cost += COST_ROLLOUT_SPLIT * (-(-gen_rows // gen) - 1)
+        setting = replace(base, gradient_checkpointing=gc, micro_batch_size=micro, batch_size=rows,
+                          rollout_batch_size=gen)
+        out.append(_Option(changes, setting, cost))
+    return out
+
+
+def _apply(config: Config, changes: dict[str, Any]) -> Config:
+    sections: dict[str, dict[str, Any]] = {}
+    for key, value in changes.items():
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = value
+    return config.model_copy(update={s: getattr(config, s).model_copy(update=v) for s, v in sections.items()})
+
+
+def _describe(changes: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changes.items())
+
+
+def _pinned(config: Config) -> list[str]:
+    """Savers the config sets itself, named for messages."""
+    out = []
+    if "gradient_checkpointing" in config.model.model_fields_set and not config.model.gradient_checkpointing:
+        out.append("model.gradient_checkpointing=false")
+    micro = config.algorithm.micro_batch_size if config.is_online else config.training.micro_batch_size
+    if micro is not None:
+        out.append(f"{'algorithm' if config.is_online else 'training'}.micro_batch_size={micro}")
+    if config.is_online and config.rollout.batch_size is not None:
+        out.append(f"rollout.batch_size={config.rollout.batch_size}")
+    return out
+
+
+def fit_memory(config: Config, world: Any, device: Any, local_ranks: int | None = None,
+               world_size: int | None = None) -> Fit:
+    """The config this run trains with: `config` itself when its plan fits the budget (or the plan or
+    budget is unknown), else with the cheapest savers that fit. Raises RlftError, before any weight
+    loads, when nothing fits. `local_ranks`: ranks on this machine (default: torchrun's
+    LOCAL_WORLD_SIZE) and `world_size` (default: the world's): the launcher passes --nproc for both
+    to check before starting the ranks."""
+    import os
+
+    from rlft.cli_plan import plan_input_from_config, read_model_config
+    from rlft.plan import Verdict, advise, plan_memory, size_text
+    from rlft.plan_lengths import data_lengths
+
+    if local_ranks is None:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    budget = run_budget(config, device, local_ranks)
+    if budget is None:
+        return Fit(config)
+    # every rank must choose the same settings: plan for the smallest budget of them all
+    capacity = int(-world.max([-budget.capacity])[0]) if world.active else budget.capacity
+    budget = replace(budget, capacity=capacity)
+    try:
+        model_cfg = read_model_config(config.model.path, config.model.revision, config.model.trust_remote_code)
+        lengths = data_lengths(config)
+        base = plan_input_from_config(config, world_size or world.size, device, lengths=lengths)
+        base_total = plan_memory(model_cfg, base).total
+    except (RlftError, ValueError):
+        return Fit(config)  # loading reports an unreadable model; the planner knows Llama-family decoders only
+    verdict = Verdict(budget.label, budget.capacity, base_total, budget.context)
+    length_note = lengths.describe(config) if lengths is not None else "lengths: worst case (the data was not read)"
+    record = {"budget": budget.label, "budget_gib": round(budget.capacity / GiB, 4),
+              "usable_gib": round(verdict.usable / GiB, 4), "planned_gib": round(base_total / GiB, 4),
+              "lengths": length_note}
+    if verdict.fits:
+        return Fit(config, record={**record, "fits": True, "changes": {}})
+    fitting = []
+    for option in _options(config, base):
+        total = plan_memory(model_cfg, option.setting).total
+        if Verdict("", budget.capacity, total, budget.context).fits:
+            fitting.append((option.cost, total, option))
+    pinned = _pinned(config)
+    if not fitting:
+        smallest = min(_options(config, base), key=lambda o: (plan_memory(model_cfg, o.setting).total, o.cost))
+        least = plan_memory(model_cfg, smallest.setting).total
+        fixes = [a for a in advise(model_cfg, smallest.setting, budget.capacity, budget.context) if a.fits][:3]
+        lines = [f"memory plan: this run needs about {size_text(base_total)} at the peak, and still "
+                 f"{size_text(least)} with the memory savers rlft may turn on"
+                 + (f" (the least: {_describe(smallest.changes)})" if smallest.changes else " (none left free)")
+                 + f"; {budget.label} leaves about {size_text(verdict.usable)} usable. Stopped before loading "
+                 "the weights.", f"  ({length_note})"]
+        if pinned:
+            lines.append(f"  set in the config, so left as is: {', '.join(pinned)}")
+        if fixes:
+            lines.append("Fix, one of:")
+            lines += [f"  - {a.change}: {size_text(a.total)} (fits)" for a in fixes]
+        else:
+            lines.append("Fix: a smaller model, LoRA, shorter sequences or a machine with more memory")
+        lines.append(f"  details: rlft plan CONFIG --memory-gb {budget.capacity / GiB:.4g}")
+        raise RlftError("\n".join(lines))
+    cost, total, best = min(fitting, key=lambda f: (f[0], f[1]))
+    message = (f"memory: the plan needs {size_text(base_total)} at the peak, more than the {size_text(verdict.usable)} "
+               f"usable of {budget.label}; turned on {_describe(best.changes)}: {size_text(total)} "
+               f"(the cheapest set that fits, about +{cost:.0%} step time)")
+    if pinned:
+        message += f"; left as set in the config: {', '.join(pinned)}"
+    return Fit(_apply(config, best.changes), best.changes, message,
+               {**record, "fits": False, "changes": best.changes, "fitted_gib": round(total / GiB, 4),
+                "reason": message})

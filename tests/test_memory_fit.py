@@ -1,0 +1,99 @@
+"""The memory fit `rlft train` runs before loading weights (rlft.memory_fit), on the tiny model with
+an explicit `training.memory_limit_gb`: it keeps the fast path when the plan fits, turns on the
+cheapest memory savers that fit when it does not (never a setting the config wrote), and stops with
+one error before loading anything when nothing fits.
+
+The tiny GRPO run below (fp32) plans, in MiB: 68.0 as configured; 44.5 with micro-batches of 16
+rows, 31.0 with micro-batches of 8; 33.6 with gradient checkpointing; 18.1 at the least (savers
+on, rollouts in batches of 4). A limit of 0.04 GiB leaves 0.9 x 40.96 = 36.9 MiB usable."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from conftest import write_jsonl
+from rlft.api import train
+from rlft.config import load_config
+from rlft.errors import RlftError
+from rlft.memory_fit import fit_memory
+from rlft.training.distributed import World
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fit")
+    write_jsonl(root / "prompts.jsonl", [{"prompt": f"Count to {i}."} for i in range(1, 10)])
+    (root / "rewards.py").write_text("def digits(prompt, completion, **row):\n"
+                                     "    return sum(ch.isdigit() for ch in completion) / max(len(completion), 1)\n")
+    return root
+
+
+def _config(qwen_path, data, out, limit, **sections):
+    cfg = {"method": "grpo", "output_dir": str(out), "seed": 0, "model": {"path": str(qwen_path), "device": "cpu"},
+           "data": {"train": str(data / "prompts.jsonl")},
+           "training": {"learning_rate": 1e-3, "max_steps": 1, "num_threads": 1, "precision": "fp32",
+                        "memory_limit_gb": limit},
+           "rollout": {"group_size": 8, "prompts_per_step": 4, "max_new_tokens": 16},
+           "rewards": [{"fn": f"{data / 'rewards.py'}:digits"}], "logging": {"progress": False}}
+    for key, value in sections.items():
+        cfg[key] = {**cfg.get(key, {}), **value}
+    return cfg
+
+
+def _fit(cfg):
+    import torch
+
+    return fit_memory(load_config(cfg), World(), torch.device("cpu"))
+
+
+def test_a_generous_limit_changes_nothing(qwen_path, data, tmp_path):
+    config = load_config(_config(qwen_path, data, tmp_path / "run", 1.0))
+    fit = fit_memory(config, World(), __import__("torch").device("cpu"))
+    assert fit.config is config and fit.changes == {} and fit.message == ""
+    assert fit.record["fits"] is True and "longest templated prompt" in fit.record["lengths"]
+
+
+def test_the_cheapest_saver_that_fits_is_chosen(qwen_path, data, tmp_path):
+    # 68.0 MiB does not fit in 36.9; micro-batches of 16 rows (44.5) do not either; of the sets that
+    # fit, micro-batches of 8 (31.0 MiB, +15% step time) cost less than checkpointing (33.6, +33%)
+    fit = _fit(_config(qwen_path, data, tmp_path / "run", 0.04))
+    assert fit.changes == {"algorithm.micro_batch_size": 8}
+    assert fit.config.algorithm.micro_batch_size == 8 and not fit.config.model.gradient_checkpointing
+    assert "turned on algorithm.micro_batch_size=8" in fit.message
+
+
+def test_checkpointing_is_turned_on_and_the_run_completes(qwen_path, data, tmp_path, capsys):
+    # micro-batch written in the config (32: the whole batch) stays; checkpointing (33.6 MiB) fits
+    out = tmp_path / "run"
+    summary = train(_config(qwen_path, data, out, 0.04, algorithm={"micro_batch_size": 32}))
+    printed = capsys.readouterr()
+    text = " ".join((printed.out + printed.err).split())
+    assert "turned on model.gradient_checkpointing=true" in text, text
+    assert "left as set in the config: algorithm.micro_batch_size=32" in text
+    assert summary["status"] == "completed"
+    assert summary["memory_fit"]["changes"] == {"model.gradient_checkpointing": True}
+    saved = yaml.safe_load((out / "config.yaml").read_text())  # the run's resolved settings
+    assert saved["model"]["gradient_checkpointing"] is True and saved["algorithm"]["micro_batch_size"] == 32
+    assert json.loads((out / "summary.json").read_text())["memory_fit"]["fits"] is False
+
+
+def test_nothing_fits_is_one_error_before_the_run_starts(qwen_path, data, tmp_path, monkeypatch):
+    import rlft.training.online as online
+
+    monkeypatch.setattr(online, "run_online", lambda *a, **k: pytest.fail("the run started"))
+    out = tmp_path / "run"
+    # gradient checkpointing written as false in the config: kept, and then nothing fits 36.9 MiB
+    cfg = _config(qwen_path, data, out, 0.04, model={"gradient_checkpointing": False},
+                  algorithm={"micro_batch_size": 32})
+    with pytest.raises(RlftError) as err:
+        train(cfg)
+    message = str(err.value)
+    assert "Stopped before loading the weights" in message
+    assert "left as is: model.gradient_checkpointing=false, algorithm.micro_batch_size=32" in message
+    assert "gradient checkpointing: 33.6 MiB (fits)" in message  # the way out, from the planner's advice
+    assert not out.exists()
+    with pytest.raises(RlftError, match=r"still 18\.1 MiB with the memory savers"):
+        train(_config(qwen_path, data, out, 0.005))
