@@ -32,7 +32,7 @@ from rlft.monitor.checks import infra_error_message
 from rlft.rewards.calls import ScoringInterrupted
 from rlft.monitor.stats import MetricAccumulator
 from rlft.rewards.scoring import RewardScorer, Scores
-from rlft.rollout import rollout_dtype, rollout_engine, sampling_params
+from rlft.rollout import rollout_dtype, rollout_engine, sampling_params, turn_driver
 from rlft.rollout.batch import RolloutBatch
 from rlft.training.collect import Rollout, collect_rollout
 from rlft.training.critic import Critic, build_critic
@@ -92,6 +92,12 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
         raise ConfigError(f"eval.correct_component {correct!r} (per-source accuracy) is not a reward component; "
                           f"choose one of {components}")
     engine = rollout_engine(config.rollout, policy.unsharded(), config.seed, sample_dtype)  # whole weights
+    driver = None
+    if config.agent is not None:
+        if world.active:  # untested: episodes per rank and their sampling streams across ranks
+            raise ConfigError("agent: multi-turn rollouts run in one process so far; launch without torchrun "
+                              "(or drop the agent section)")
+        driver = turn_driver(config.agent, engine, policy.tokenizer)
     kl_ctl = make_kl_controller(a.kl_coef, a.kl_target, a.kl_adapt_factor)
     sampler = PromptSampler(len(train_rows), config.seed, d.shuffle, order=train_rows.order)
     update_gen = torch.Generator().manual_seed(config.seed)
@@ -115,7 +121,7 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
             step_start = _StepStart({"sampler": sampler, "engine": engine})
             try:
                 rollout = collect_rollout(engine, sampler, prompts, scorer, params, config.rollout.prompts_per_step,
-                                          a.dynamic_sampling, a.dynamic_sampling_max_rounds, world)
+                                          a.dynamic_sampling, a.dynamic_sampling_max_rounds, world, driver)
             except ScoringInterrupted:  # Ctrl-C while rewards ran: finish() saves the last completed step
                 step_start.restore()
                 break
