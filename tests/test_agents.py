@@ -360,6 +360,20 @@ def test_bad_tools_and_unsupported_setups_are_clear_errors(tmp_path):
         load_tools(["calculator", f"{tmp_path / 't.py'}:calculator"])
     with pytest.raises(ConfigError, match="unknown tool"):
         load_tools(["calculater"])
+    from rlft.rollout.turns import ObservationEncoder
+
+    class DropsTools:  # a template that renders no 'tool' messages: results could never reach the model
+        chat_template = ""
+        eos_token_id, all_special_ids = None, []
+
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False, **kw):
+            return "".join(f"<{m['role']}>{m['content']}" for m in messages if m["role"] != "tool")
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(ch) for ch in text]}
+
+    with pytest.raises(ConfigError, match="drops"):
+        ObservationEncoder(DropsTools(), [])
     base = {"output_dir": str(tmp_path / "r"), "model": {"path": "x"}, "data": {"train": "x"},
             "rewards": [{"fn": "math"}], "agent": {"tools": ["calculator"]}}
     with pytest.raises(ConfigError, match="online"):
@@ -389,7 +403,7 @@ def test_grpo_with_the_calculator_runs_and_logs_agent_metrics(tiny, tmp_path):
         "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 12},
         "rewards": [{"fn": f"{tmp_path / 'reward.py'}:used_calculator"}],
         "agent": {"tools": ["calculator"], "max_turns": 3, "max_total_tokens": 64},
-        "logging": {"progress": False},
+        "logging": {"progress": False, "sample_every": 1, "num_samples": 2},
     })
     assert summary["status"] == "completed"
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -399,3 +413,5 @@ def test_grpo_with_the_calculator_runs_and_logs_agent_metrics(tiny, tmp_path):
                 "agent/tool_latency_mean_s", "agent/errors/malformed"):
         assert key in steps[0]
     assert steps[0]["agent/turns_mean"] >= 1
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["transcript"][0]["role"] == "assistant" and s["turns"] >= 1 for s in samples)

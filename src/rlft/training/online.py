@@ -340,6 +340,9 @@ def _log_samples(session: TrainingSession, rollout: Rollout, num_samples: int, e
         records.append({"step": session.step, "where": e.where, "prompt": e.prompt_text, "completion": c.text,
                         "reward": rollout.rewards[i], "finish_reason": c.finish_reason,
                         "components": {k: v[i] for k, v in rollout.scores.components.items()}})
+        if c.episode is not None:  # a multi-turn episode: its assistant and tool turns, in order
+            records[-1].update(transcript=c.episode.messages[len(e.messages):], turns=c.episode.turns,
+                               tool_calls=c.episode.tool_calls)
     session.log_samples(records)
     if records:
         r = records[0]
