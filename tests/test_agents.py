@@ -60,7 +60,10 @@ class ScriptedEngine:
             for _ in range(params.n):
                 ids = self.turns[turn][: params.max_new_tokens]
                 finish = "stop" if len(ids) == len(self.turns[turn]) and self.end_turn else "length"
-                out.append(Completion(list(p), ids, self.tok.decode(ids, skip_special_tokens=True),
+                text = self.tok.decode(ids, skip_special_tokens=True)
+                for s in params.stop:  # as the HF engine: the text ends before a stop string, the ids do not
+                    text = text.split(s)[0]
+                out.append(Completion(list(p), ids, text,
                                       [-(1.0 + k) for k in range(len(ids))], finish, i))
         self.sampled.append([c.completion_ids for c in out])
         return out
@@ -98,6 +101,13 @@ def test_the_loss_sees_exactly_the_sampled_ids_and_the_observations_between_them
     # sampling log-probs: each turn's own, in place; 0 on the observation
     expected_lp = [-(1.0 + k) for k in range(len(turn1))] + [0.0] * len(obs) + [-(1.0 + k) for k in range(len(turn2))]
     assert batch.sampling_logprobs[0].tolist() == expected_lp
+
+
+def test_a_call_cut_off_by_a_stop_string_is_still_read_from_the_sampled_ids(tiny):
+    _, policy = tiny
+    driver, engine = driver_for(policy, [call_text("calculator", {"expression": "1+1"}), "2"])
+    [ep] = driver.run([PROMPT], SamplingParams(n=1, max_new_tokens=200, stop=("</tool_call>",)))
+    assert ep.episode.tool_calls == 1 and ep.episode.errors == {} and ep.episode.messages[-2]["content"] == "2"
 
 
 def test_reward_sits_on_the_last_policy_token_of_a_mask_with_holes():
@@ -376,6 +386,8 @@ def test_bad_tools_and_unsupported_setups_are_clear_errors(tmp_path):
         ObservationEncoder(DropsTools(), [])
     base = {"output_dir": str(tmp_path / "r"), "model": {"path": "x"}, "data": {"train": "x"},
             "rewards": [{"fn": "math"}], "agent": {"tools": ["calculator"]}}
+    # Dr. GRPO's constant normaliser is the longest completion: with tools, the episode budget
+    assert load_config({**base, "method": "dr_grpo"}).algorithm.loss_constant == 1024
     with pytest.raises(ConfigError, match="online"):
         load_config({**base, "method": "sft"})
     with pytest.raises(ConfigError, match="engine=hf"):
@@ -383,8 +395,9 @@ def test_bad_tools_and_unsupported_setups_are_clear_errors(tmp_path):
 
 
 CALC_REWARD = '''
-def used_calculator(prompt, completion, messages, turns, tool_calls, **row):
+def used_calculator(prompt, completion, messages, turns, tool_calls, max_new_tokens, completion_tokens, **row):
     assert messages[0]["role"] in ("user", "system") and turns >= 1
+    assert max_new_tokens == 64 and completion_tokens <= 64  # the episode's budget, shared by every turn
     return 1.0 if row["answer"] in completion else 0.1 * min(tool_calls, 1) + 0.01 * (len(completion) % 3)
 '''
 

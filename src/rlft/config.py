@@ -314,7 +314,8 @@ class AgentConfig(Section):
     tools: list[str] = Field(
         description="Tools the model may call: built-in 'calculator', or 'module:function' / 'file.py:function' "
                     "(type hints and a docstring with Args: give the schema the template shows).")
-    max_turns: int = Field(4, ge=1, description="Assistant turns per episode; a call on the last one is not run.")
+    max_turns: int = Field(4, ge=1, description="Assistant turns per episode (each at most rollout.max_new_tokens); "
+                                                "a call on the last one is not run.")
     max_total_tokens: int = Field(
         1024, ge=1, description="One budget for everything after the prompt (sampled and tool tokens); an "
                                 "observation that would fill it ends the episode as truncated.")
@@ -571,8 +572,9 @@ class Config(Section):
                 check_vllm_sampling(self.eval.temperature, 1.0, 0, "eval")
                 for suite in self.eval.suites:
                     check_vllm_sampling(suite.sampling.temperature, 1.0, 0, f"eval.suites[{suite.name}].sampling")
-            if a.loss_agg == "constant" and a.loss_constant is None:
-                self.algorithm.loss_constant = self.rollout.max_new_tokens
+            if a.loss_agg == "constant" and a.loss_constant is None:  # Dr. GRPO: the longest possible completion
+                longest = self.agent.max_total_tokens if self.agent else self.rollout.max_new_tokens
+                self.algorithm.loss_constant = longest
         return self
 
     @property

@@ -128,10 +128,12 @@ def score_completions(scorer: "RewardScorer", examples: list[Any], completions: 
 def episode_row(example: Any, completion: Any, max_new_tokens: int) -> dict[str, Any]:
     """A multi-turn episode's row: `messages` is the whole transcript (the prompt conversation,
     then assistant turns with their `tool_calls` and the `tool` results); the positional
-    `completion` is the last assistant turn; `turns`, `tool_calls` and `tool_errors` count."""
+    `completion` is the last assistant turn; `turns`, `tool_calls` and `tool_errors` count.
+    `completion_tokens` counts every token after the prompt and `max_new_tokens` is the episode's
+    budget they share (so length shaping such as `overlong` measures the whole episode)."""
     ep = completion.episode
-    row = scoring_row(example.fields, completion.finish_reason, len(completion.completion_ids), max_new_tokens,
-                      ep.messages, example.rendered)
+    row = scoring_row(example.fields, completion.finish_reason, len(completion.completion_ids),
+                      ep.max_tokens or max_new_tokens, ep.messages, example.rendered)
     row.update(turns=ep.turns, tool_calls=ep.tool_calls, tool_errors=sum(ep.errors.values()))
     return row
 

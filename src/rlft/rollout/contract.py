@@ -39,6 +39,7 @@ class Episode:
     budget_truncated: bool = False  # an observation would have overflowed agent.max_total_tokens
     max_turns_reached: bool = False  # the last allowed turn still asked for tools
     tool_latency_s: list[float] = field(default_factory=list)  # per call
+    max_tokens: int = 0  # the episode's token budget (what `max_new_tokens` is to one turn)
 
 
 @dataclass(frozen=True)

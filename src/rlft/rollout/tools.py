@@ -9,7 +9,8 @@ and one `Args:` line per parameter); its schema for the chat template comes from
 A call never stops the run. Each failure becomes an error observation the model reads, counted by
 kind (ERROR_KINDS). Each call runs in its own daemon thread with a time limit: a tool that hangs is
 abandoned (its thread keeps running in the background until it returns; Python cannot kill it),
-and the episode goes on with a `timeout` observation.
+and the episode goes on with a `timeout` observation. The calls of one round of turns run
+concurrently (one thread each), so a tool that keeps state must be thread-safe.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def tool_schema(fn: Callable[..., Any], ref: str) -> dict[str, Any]:
 
     try:
         return get_json_schema(fn)
-    except Exception as exc:  # noqa: BLE001  (transformers raises its own DocstringParsingException/TypeHintParsingException)
+    except Exception as exc:  # noqa: BLE001  (transformers' own DocstringParsing/TypeHintParsing exceptions)
         raise ConfigError(f"agent.tools: {ref}: {exc}\nA tool needs a type hint on every parameter and a "
                           "docstring with a description and an 'Args:' line per parameter (as `calculator` in "
                           "rlft/rollout/tools.py)") from None

@@ -132,7 +132,7 @@ class TurnDriver:
     def run(self, prompts: Sequence[Messages], params: SamplingParams, first_prompt: int = 0) -> list[Completion]:
         lim = self.limits
         prompt_ids = [self.encoder.prompt_ids(m) for m in prompts]
-        live = [_Live(i * params.n + k, i, list(m), ids, record=Episode(messages=list(m)))
+        live = [_Live(i * params.n + k, i, list(m), ids, record=Episode(list(m), max_tokens=lim.max_total_tokens))
                 for i, (m, ids) in enumerate(zip(prompts, prompt_ids)) for k in range(params.n)]
         episodes, turn = list(live), 0
         while live:
@@ -146,13 +146,13 @@ class TurnDriver:
                                         first_prompt=first_prompt if turn == 1 else first_prompt * params.n)
             wanting: list[tuple[_Live, list]] = []
             for ep, out in zip(live, outs):
-                calls = self._take_turn(ep, out, turn)
+                calls = self._take_turn(ep, out, turn, params.stop)
                 if calls:
                     wanting.append((ep, calls))
             live = self._insert_observations(wanting)
         return [self._completion(e) for e in episodes]
 
-    def _take_turn(self, ep: _Live, out: Completion, turn: int) -> list:
+    def _take_turn(self, ep: _Live, out: Completion, turn: int, stop: tuple[str, ...] = ()) -> list:
         """Append the sampled turn; the calls it makes when the episode goes on, else []."""
         room = self.limits.max_total_tokens - len(ep.ids)
         ids, logprobs, text, finish = out.completion_ids, out.logprobs, out.text, out.finish_reason
@@ -164,7 +164,9 @@ class TurnDriver:
         ep.mask += [1] * len(ids)
         ep.last_text, ep.finish = text, finish
         ep.record.turns = turn
-        calls = self.parser(text) if finish == "stop" else []
+        # parsed from every sampled token: an engine's text stops before a stop string, the ids do not
+        full = self.tokenizer.decode(ids, skip_special_tokens=True) if stop else text
+        calls = self.parser(full) if finish == "stop" else []
         message: dict[str, Any] = {"role": "assistant", "content": text}
         valid = [c for c in calls if c.error is None]
         if valid:
@@ -185,7 +187,8 @@ class TurnDriver:
             started = []
             for i, call in enumerate(calls):
                 if i >= lim.max_calls_per_turn:
-                    result = ToolResult(f"Error: at most {lim.max_calls_per_turn} tool calls per turn", "too_many_calls")
+                    result = ToolResult(f"Error: at most {lim.max_calls_per_turn} tool calls per turn",
+                                        "too_many_calls")
                 elif call.error is not None:
                     result = ToolResult("Error: the tool call is not valid JSON of the form "
                                         '{"name": ..., "arguments": {...}}', call.error)
