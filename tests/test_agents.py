@@ -359,6 +359,21 @@ def test_tools_go_through_the_template_when_it_supports_them(tiny):
         tok.chat_template = saved
 
 
+def test_prompts_are_checked_for_length_with_the_tool_descriptions(tiny):
+    from rlft.data.prompts import prompt_example
+    from rlft.errors import DataError
+    from rlft.training.online import _check_prompts_with_tools
+
+    _, policy = tiny
+    driver, _ = driver_for(policy, [])
+    example = prompt_example(policy.tokenizer, "prompts.jsonl:3", PROMPT, {})
+    with_tools = len(driver.encoder.prompt_ids(PROMPT))
+    assert with_tools > len(example.prompt_ids) + 50  # the schema block
+    _check_prompts_with_tools(driver, [example], with_tools)
+    with pytest.raises(DataError, match=r"prompts.jsonl:3: .* longer than data.max_prompt_length"):
+        _check_prompts_with_tools(driver, [example], with_tools - 1)
+
+
 def test_bad_tools_and_unsupported_setups_are_clear_errors(tmp_path):
     from rlft.config import load_config
 

@@ -24,7 +24,7 @@ from rlft.data.order import PromptSampler
 from rlft.data.prompts import PromptExample, make_prompt_encoder
 from rlft.data.readers import read_rows
 from rlft.data.validate import check_rows
-from rlft.errors import ConfigError, RewardError, TrainingHalted
+from rlft.errors import ConfigError, DataError, RewardError, TrainingHalted
 from rlft.eval.generation import evaluate_prompts
 from rlft.eval.suites import prepare_suites
 from rlft.models.loading import Reference, disable_dropout, load_policy, resolve_device
@@ -98,6 +98,7 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
             raise ConfigError("agent: multi-turn rollouts run in one process so far; launch without torchrun "
                               "(or drop the agent section)")
         driver = turn_driver(config.agent, engine, policy.tokenizer)
+        _check_prompts_with_tools(driver, prompts, d.max_prompt_length)
     kl_ctl = make_kl_controller(a.kl_coef, a.kl_target, a.kl_adapt_factor)
     sampler = PromptSampler(len(train_rows), config.seed, d.shuffle, order=train_rows.order)
     update_gen = torch.Generator().manual_seed(config.seed)
@@ -231,6 +232,17 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
         kl_ctl.update(metrics["kl"])
     metrics["time/train"] = time.perf_counter() - start
     return metrics
+
+
+def _check_prompts_with_tools(driver: Any, prompts: list[PromptExample], limit: int) -> None:
+    """The tool descriptions lengthen every prompt: check them against data.max_prompt_length as
+    the episodes will see them, before the first step."""
+    for e in prompts:
+        n = len(driver.encoder.prompt_ids(e.messages))
+        if n > limit:
+            raise DataError(f"{e.where}: with the agent's tool descriptions the prompt is {n} tokens, longer than "
+                            f"data.max_prompt_length ({limit}); raise data.max_prompt_length or shorten the "
+                            "tools' docstrings")
 
 
 def _rollout_metrics(session: TrainingSession, rollout: Rollout, beta: float) -> dict[str, float]:
