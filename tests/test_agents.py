@@ -48,7 +48,9 @@ class ScriptedEngine:
     def __init__(self, tokenizer, script: list[str], end_turn: bool = True):
         self.tok, self.end_turn = tokenizer, end_turn
         eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        self.turns = [encode_text(tokenizer, text) + ([eot] if end_turn else []) for text in script]
+        # a turn is text (encoded the tokenizer's way) or raw ids (any split the model might sample)
+        self.turns = [(encode_text(tokenizer, t) if isinstance(t, str) else list(t)) + ([eot] if end_turn else [])
+                      for t in script]
         self.contexts: list[list[list[int]]] = []  # per call: the contexts it continued
         self.sampled: list[list[list[int]]] = []  # per call: the ids it returned per row
 
@@ -91,6 +93,7 @@ def test_the_loss_sees_exactly_the_sampled_ids_and_the_observations_between_them
     assert ep.episode.turns == 2 and ep.episode.tool_calls == 1 and ep.episode.errors == {}
     assert ep.text == "The answer is 85." and ep.finish_reason == "stop"
     assert ep.episode.messages[-2] == {"role": "tool", "name": "calculator", "content": "85"}
+    assert ep.episode.retokenize_drift == 0  # canonical text: re-rendering gives the same tokens
 
     batch = RolloutBatch.from_completions([ep], [0], policy.tokenizer.pad_token_id, torch.device("cpu"))
     row = batch.input_ids[0][batch.attention_mask[0].bool()].tolist()
@@ -108,6 +111,22 @@ def test_a_call_cut_off_by_a_stop_string_is_still_read_from_the_sampled_ids(tiny
     driver, engine = driver_for(policy, [call_text("calculator", {"expression": "1+1"}), "2"])
     [ep] = driver.run([PROMPT], SamplingParams(n=1, max_new_tokens=200, stop=("</tool_call>",)))
     assert ep.episode.tool_calls == 1 and ep.episode.errors == {} and ep.episode.messages[-2]["content"] == "2"
+
+
+def test_the_re_render_check_counts_tokens_a_re_encoding_would_change(tiny):
+    """A turn sampled as one character per token is text the tokenizer would encode with merges:
+    the trained ids are kept as sampled, and the drift names how many trained tokens a re-encoding
+    would have replaced (everything from that turn on)."""
+    _, policy = tiny
+    tok = policy.tokenizer
+    chars = [i for ch in "The answer is 85." for i in encode_text(tok, ch)]
+    canonical = encode_text(tok, "The answer is 85.")
+    first = next(k for k, (a, b) in enumerate(zip(chars, canonical)) if a != b)  # where the splits part
+    driver, engine = driver_for(policy, [call_text("calculator", {"expression": "37 + 48"}), chars])
+    [ep] = driver.run([PROMPT], SamplingParams(n=1, max_new_tokens=200))
+    assert ep.completion_ids[-len(chars) - 1:-1] == chars  # trained as sampled, not re-encoded
+    assert ep.episode.retokenize_drift == len(chars) - first + 1  # the rest of the turn and its end-of-turn
+    assert episode_metrics([ep])["agent/retokenize_drift_frac"] == 1.0
 
 
 def test_reward_sits_on_the_last_policy_token_of_a_mask_with_holes():
@@ -310,6 +329,7 @@ def test_budget_ends_an_episode_at_a_turn_boundary_and_cuts_a_long_turn(tiny):
     [ep] = driver.run([PROMPT], SamplingParams(n=1, max_new_tokens=200))
     assert ep.completion_ids == engine.sampled[0][0] and ep.loss_mask == [1] * n_first  # nothing inserted
     assert ep.episode.budget_truncated and ep.finish_reason == "length" and len(engine.contexts) == 1
+    assert ep.episode.messages[-1]["role"] == "assistant"  # the result it never saw is not in its transcript
     # a budget that ends inside turn 2: turn 2 is cut there (a prefix of a sample), the episode is 'length'
     driver, engine = driver_for(policy, [first, "The answer is 85."], max_total_tokens=n_first + 20)
     [ep] = driver.run([PROMPT], SamplingParams(n=1, max_new_tokens=200))
@@ -438,7 +458,7 @@ def test_grpo_with_the_calculator_runs_and_logs_agent_metrics(tiny, tmp_path):
     steps = [r for r in rows if "agent/turns_mean" in r]
     assert len(steps) == 2
     for key in ("agent/tool_calls_mean", "agent/tool_error_rate", "agent/tool_token_frac", "agent/budget_truncated",
-                "agent/tool_latency_mean_s", "agent/errors/malformed"):
+                "agent/tool_latency_mean_s", "agent/errors/malformed", "agent/retokenize_drift"):
         assert key in steps[0]
     assert steps[0]["agent/turns_mean"] >= 1
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]

@@ -322,6 +322,9 @@ class AgentConfig(Section):
     max_tool_output_tokens: int = Field(256, ge=1, description="A tool result longer than this is cut, with a marker.")
     tool_timeout_s: float = Field(10.0, gt=0, description="Time limit per tool call; a late call is an error result.")
     max_calls_per_turn: int = Field(4, ge=1, description="Calls run per turn; further ones get an error result.")
+    check_drift: bool = Field(
+        True, description="Re-render each finished episode through the template and log how many trained tokens "
+                          "differ from it (agent/retokenize_drift): what re-tokenising would have trained on.")
     parser: Literal["auto", "hermes"] = Field(
         "auto", description="Tool-call syntax: hermes = <tool_call>{json}</tool_call> (Qwen, Hermes); auto picks it "
                             "from the chat template.")

@@ -61,7 +61,7 @@ def turn_driver(cfg: AgentConfig, engine: Engine, tokenizer: Any) -> Any:
                          max_tool_output_tokens=cfg.max_tool_output_tokens, tool_timeout_s=cfg.tool_timeout_s,
                          max_calls_per_turn=cfg.max_calls_per_turn)
     return TurnDriver(engine, tokenizer, load_tools(cfg.tools), pick_parser(cfg.parser, tokenizer.chat_template),
-                      limits)
+                      limits, cfg.check_drift)
 
 
 def sampling_params(cfg: RolloutConfig) -> SamplingParams:

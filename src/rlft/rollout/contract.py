@@ -40,6 +40,7 @@ class Episode:
     max_turns_reached: bool = False  # the last allowed turn still asked for tools
     tool_latency_s: list[float] = field(default_factory=list)  # per call
     max_tokens: int = 0  # the episode's token budget (what `max_new_tokens` is to one turn)
+    retokenize_drift: int | None = None  # trained tokens after the first one a re-render differs at (None: unchecked)
 
 
 @dataclass(frozen=True)

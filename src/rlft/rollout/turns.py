@@ -19,6 +19,11 @@ a sample; the episode ends as 'length'), and an observation that would fill it e
 truncated, never inserted in part. Deviation from a per-episode engine call: the turns of all live
 episodes are sampled in one engine call per round (n=1 each), so a later turn's sampling stream is
 named by its position among the live episodes of that round.
+
+The re-render check (`check_drift`) measures what a decode-and-re-encode pipeline would have
+trained on instead: the finished transcript through the template, tokenized, against the trained
+sequence; `agent/retokenize_drift` is the mean number of trained tokens from the first
+difference on (a sampled text the tokenizer would split differently shows up there).
 """
 
 from __future__ import annotations
@@ -124,8 +129,9 @@ class TurnDriver:
     grouped by prompt like `Engine.generate`, each one whole episode."""
 
     def __init__(self, engine: Engine, tokenizer: Any, tools: list[Tool], parser: Parser,
-                 limits: AgentLimits = AgentLimits()):
+                 limits: AgentLimits = AgentLimits(), check_drift: bool = True):
         self.engine, self.tokenizer, self.parser, self.limits = engine, tokenizer, parser, limits
+        self.check_drift = check_drift
         self.tools = {t.name: t for t in tools}
         self.encoder = ObservationEncoder(tokenizer, [t.schema for t in tools])
 
@@ -150,7 +156,23 @@ class TurnDriver:
                 if calls:
                     wanting.append((ep, calls))
             live = self._insert_observations(wanting)
+        if self.check_drift:
+            for ep in episodes:
+                ep.record.retokenize_drift = self._drift(ep)
         return [self._completion(e) for e in episodes]
+
+    def _drift(self, ep: _Live) -> int:
+        """Trained tokens from the first one where the re-rendered transcript's tokens differ."""
+        # an assistant turn's calls are in its text already; a template would render tool_calls twice
+        messages = [{k: v for k, v in m.items() if k != "tool_calls"} for m in ep.record.messages]
+        rendered = encode_text(self.tokenizer, self.encoder.render(messages, False))
+        trained = ep.prompt_ids + ep.ids
+        same = 0
+        for a, b in zip(rendered, trained):
+            if a != b:
+                break
+            same += 1
+        return len(trained) - same
 
     def _take_turn(self, ep: _Live, out: Completion, turn: int, stop: tuple[str, ...] = ()) -> list:
         """Append the sampled turn; the calls it makes when the episode goes on, else []."""
@@ -209,10 +231,10 @@ class TurnDriver:
                     ep.record.tool_latency_s.append(result.seconds)
                 messages.append({"role": "tool", "name": name, "content": self._cut(result.text)})
             obs = self.encoder.observation_ids(ep.prompt, messages, ep.ids[-1] if ep.ids else None)
-            ep.record.messages += messages
             if len(ep.ids) + len(obs) >= lim.max_total_tokens:  # no room for the observation and a reply
-                ep.record.budget_truncated, ep.finish = True, "length"
+                ep.record.budget_truncated, ep.finish = True, "length"  # the transcript ends as the model saw it
                 continue
+            ep.record.messages += messages
             ep.ids += obs
             ep.logprobs += [0.0] * len(obs)
             ep.mask += [0] * len(obs)
@@ -253,5 +275,9 @@ def episode_metrics(completions: Sequence[Completion]) -> dict[str, float]:
            "agent/max_turns_reached": float(sum(r.max_turns_reached for r in records)),
            "agent/tool_latency_mean_s": sum(latency) / len(latency) if latency else 0.0,
            "agent/tool_latency_max_s": max(latency, default=0.0)}
+    drift = [r.retokenize_drift for r in records if r.retokenize_drift is not None]
+    if drift:
+        out["agent/retokenize_drift"] = sum(drift) / len(drift)
+        out["agent/retokenize_drift_frac"] = sum(d > 0 for d in drift) / len(drift)
     out.update({f"agent/errors/{kind}": float(count) for kind, count in errors.items()})
     return out
