@@ -352,9 +352,10 @@ def _log_samples(session: TrainingSession, rollout: Rollout, num_samples: int, e
         records.append({"step": session.step, "where": e.where, "prompt": e.prompt_text, "completion": c.text,
                         "reward": rollout.rewards[i], "finish_reason": c.finish_reason,
                         "components": {k: v[i] for k, v in rollout.scores.components.items()}})
-        if c.episode is not None:  # a multi-turn episode: its assistant and tool turns, in order
-            records[-1].update(transcript=c.episode.messages[len(e.messages):], turns=c.episode.turns,
-                               tool_calls=c.episode.tool_calls)
+        episode = getattr(c, "episode", None)
+        if episode is not None:  # a multi-turn episode: its assistant and tool turns, in order
+            records[-1].update(transcript=episode.messages[len(e.messages):], turns=episode.turns,
+                               tool_calls=episode.tool_calls)
     session.log_samples(records)
     if records:
         r = records[0]
