@@ -58,6 +58,11 @@ class RolloutBatch:
         return cls(input_ids.to(device), attention.to(device), cmask.to(device), logprobs.to(device),
                    torch.tensor(group_ids, device=device), truncated.to(device))
 
+    def loss_mask(self, mask_truncated: bool = False) -> torch.Tensor:
+        """The tokens every loss and per-token metric takes  # [N, T] bool: sampled by the policy,
+        less the rows cut at their length limit when `mask_truncated` (DAPO's overlong filter)."""
+        return self.completion_mask & ~self.truncated[:, None] if mask_truncated else self.completion_mask
+
     def select(self, rows: torch.Tensor) -> "RolloutBatch":
         """A subset of rows with the columns that are padding for all of them trimmed away."""
         sub = RolloutBatch(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})

@@ -13,7 +13,7 @@ FinishReason = Literal["stop", "length"]
 class Completion:
     prompt_ids: list[int]
     completion_ids: list[int]  # the sampled ids, used for training as they are (never re-encoded)
-    text: str  # decoded completion without special tokens
+    text: str  # decoded completion without special tokens (an episode: its last assistant turn)
     logprobs: list[float]  # per completion token, under the (temperature-scaled) sampling distribution
     finish_reason: FinishReason  # 'stop': end-of-turn / EOS / stop string; 'length': max_new_tokens
     prompt_index: int  # which prompt of the request this completion answers

@@ -171,7 +171,7 @@ def policy_update(trainer: Trainer, batch: RolloutBatch, advantages: Tensor, ref
     model = trainer.policy.model
     world = getattr(trainer, "world", SINGLE)
     model.train()
-    loss_mask = batch.completion_mask & ~batch.truncated[:, None] if s.mask_truncated else batch.completion_mask
+    loss_mask = batch.loss_mask(s.mask_truncated)
     use_kl = s.kl_in_loss and beta > 0 and ref_logprobs is not None
     # Rows whose advantage is 0 everywhere contribute exactly nothing unless a KL, entropy or extra
     # term acts on them: leave them out of the forward pass (the normalisers stay global).
