@@ -1,13 +1,14 @@
 """A training run under torchrun (or alone) for tests/test_distributed.py.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/dist_driver.py [replay] CONFIG.yaml ...
-                                                                                     [vllm:CONFIG.yaml]
+                                                                                     [real:CONFIG.yaml ...]
 
 Several configs run one after another in the same processes (a process group is set up once: the
 tests pay the processes' start-up once). `replay` swaps the rollout engine for one whose completions depend only on (prompt, sample index,
 call): the same in one process and on two ranks, so a test can compare the two runs' parameters
 on "the same sampled completions and rewards" -- real sampling can flip one token when two
-layouts' logits differ in the last float bit, and the runs then part ways.
+layouts' logits differ in the last float bit, and the runs then part ways. `real:CONFIG` runs with
+the engine the config names (the HF engine, or vLLM), and so does every config after it.
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ def main() -> int:
         use_replay_engine()
     status = []
     for config in args:
-        if config.startswith("vllm:"):  # a real engine for this one (the config says which)
-            online.rollout_engine, config = real, config.removeprefix("vllm:")
+        if config.startswith("real:"):  # a real engine from here on (the config says which)
+            online.rollout_engine, config = real, config.removeprefix("real:")
         status.append(train(config)["status"])
     return 0 if all(s == "completed" for s in status) else 1
 

@@ -232,6 +232,40 @@ def test_adaptive_kl_from_a_zero_beta_preset_is_refused(method):
     assert cfg.needs_reference
 
 
+def test_kl_controller_choice_and_its_checks():
+    # defaults: the dead band (PPO paper) and Ziegler et al.'s horizon, for every preset
+    for method in ("grpo", "rloo", "reinforce_pp", "ppo"):
+        a = load_config(online(method)).algorithm
+        assert (a.kl_controller, a.kl_horizon) == ("deadband", 10_000)
+    a = load_config(online("grpo", algorithm={"kl_target": 0.05, "kl_controller": "proportional",
+                                              "kl_horizon": 500})).algorithm
+    assert (a.kl_controller, a.kl_horizon, a.kl_target) == ("proportional", 500, 0.05)
+    # the proportional controller steers toward kl_target: without one it would never act
+    message = config_error(online("grpo", algorithm={"kl_controller": "proportional"}))
+    assert "algorithm.kl_controller=proportional" in message and "algorithm.kl_target" in message
+    for bad in (0, -10):
+        assert "kl_horizon" in config_error(online("grpo", algorithm={"kl_horizon": bad}))
+    assert "kl_controller" in config_error(online("grpo", algorithm={"kl_controller": "pid"}))
+
+
+def test_a_setting_of_an_unused_kl_controller_is_warned_about():
+    from rlft.config import config_warnings
+
+    # a horizon with fixed beta (no kl_target), or with the dead band
+    fixed = config_warnings(load_config(online("grpo", algorithm={"kl_horizon": 500})))
+    assert len(fixed) == 1 and "algorithm.kl_horizon=500 has no effect" in fixed[0] and "kl_target" in fixed[0]
+    band = config_warnings(load_config(online("grpo", algorithm={"kl_horizon": 500, "kl_target": 0.1})))
+    assert len(band) == 1 and "kl_controller is deadband" in band[0]
+    # the dead band's factor with the proportional controller
+    prop = config_warnings(load_config(online("grpo", algorithm={"kl_adapt_factor": 2.0, "kl_target": 0.1,
+                                                                 "kl_controller": "proportional"})))
+    assert len(prop) == 1 and "algorithm.kl_adapt_factor=2 has no effect" in prop[0]
+    # each with the controller that uses it: nothing to say
+    assert config_warnings(load_config(online("grpo", algorithm={"kl_horizon": 500, "kl_target": 0.1,
+                                                                 "kl_controller": "proportional"}))) == []
+    assert config_warnings(load_config(online("grpo", algorithm={"kl_adapt_factor": 2.0, "kl_target": 0.1}))) == []
+
+
 def test_a_reference_is_needed_only_when_a_kl_term_uses_it():
     assert not load_config(online("dapo")).needs_reference  # beta 0
     assert load_config(online("grpo")).needs_reference

@@ -17,7 +17,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import DIGITS_REWARD
+from conftest import DIGITS_REWARD, assert_clean_user_error, run_main
 from rlft.demo.arithmetic import preference_rows, split_problems
 from rlft.models.tiny import build_tiny_model
 
@@ -39,7 +39,7 @@ def root(tmp_path_factory) -> Path:
     return root
 
 
-def config(root: Path, method: str, name: str, lora: bool = False, **training) -> Path:
+def config(root: Path, method: str, name: str, lora: bool = False, held_out: bool = False, **training) -> Path:
     cfg = {"method": method, "output_dir": str(root / name), "seed": 0,
            "model": {"path": str(root / "model"), "device": "cpu"},
            "lora": {"enabled": lora, "r": 4, "alpha": 8, "dropout": 0.0},
@@ -53,8 +53,13 @@ def config(root: Path, method: str, name: str, lora: bool = False, **training) -
     if method == "sft":
         cfg["data"] = {"train": str(root / "sft.jsonl"), "max_length": 64, "shuffle": False}
         cfg["training"].setdefault("batch_size", 8)
+        if held_out:  # eval loss plus greedy generations
+            cfg["data"]["eval"] = str(root / "sft.jsonl")
+            cfg["eval"] = {"max_new_tokens": 4, "max_examples": 4}
     elif method == "dpo":
         cfg["data"] = {"train": str(root / "pairs.jsonl"), "max_length": 96}
+        if held_out:
+            cfg["data"]["eval"] = str(root / "pairs.jsonl")
         cfg["training"].setdefault("batch_size", 4)
     else:
         cfg["data"] = {"train": str(root / "prompts.jsonl")}
@@ -111,16 +116,23 @@ RUNS = [("sft", False), ("sft", True), ("dpo", False), ("grpo", False), ("grpo",
 
 @pytest.fixture(scope="module")
 def two_ranks(root) -> subprocess.CompletedProcess:
-    """Every method of RUNS trained on two ranks, then GRPO with a vLLM engine per rank (one
+    """Every method of RUNS trained on two ranks, the full fine-tunes with a held-out eval (and SFT
+    resumed), then GRPO with the real engines: the HF engine, and a vLLM engine per rank (one
     torchrun: the processes start once; the vLLM run last, since an engine leaves its process
     group behind it when it closes)."""
     runs = [config(root, m, f"{m}{'-lora' if lora else ''}-2", lora) for m, lora in RUNS]
-    vllm = config(root, "grpo", "grpo-vllm-2")
+    # the same run as sft-eval-2, one step longer: it resumes from sft-eval-2's last checkpoint
+    more = config(root, "sft", "sft-eval-2", held_out=True, max_steps=3, eval_every=1, precision="fp32")
+    more = more.rename(root / "sft-eval-2-more.yaml")
+    held_out = [config(root, m, f"{m}-eval-2", held_out=True, max_steps=2, eval_every=1, precision="fp32")
+                for m in ("sft", "dpo")]
+    hf = config(root, "grpo", "grpo-hf-2", precision="fp32")
+    vllm = config(root, "grpo", "grpo-vllm-2", precision="fp32")
     cfg = yaml.safe_load(vllm.read_text())
     cfg["rollout"].update(engine="vllm", vllm={"kv_cache_bytes": 1 << 26})
     vllm.write_text(yaml.safe_dump(cfg))
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           DRIVER, "replay", *map(str, runs), "vllm:" + str(vllm)],
+                           DRIVER, "replay", *map(str, runs + held_out + [more]), f"real:{hf}", str(vllm)],
                           capture_output=True, text=True, timeout=900, env=ENV)
 
 
@@ -145,6 +157,36 @@ def test_each_rank_samples_on_its_own_vllm_engine(root, two_ranks):
     rows = metrics(root / "grpo-vllm-2")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["rollout/logprob_diff_max"] < 1e-3 for r in rows), [r["rollout/logprob_diff_max"] for r in rows]
+
+
+def test_full_fine_tunes_checkpoint_after_a_held_out_eval(root, two_ranks):
+    """Issue 23: a held-out eval of a full fine-tune on two ranks (SFT, DPO) ran the sharded model
+    forward with no backward after it, which leaves FSDP's root unit unsharded; the checkpoint
+    after it then died with KeyError: 0 in get_optimizer_state_dict. Trained with an eval and a
+    checkpoint after every step, then SFT resumed from its step-2 checkpoint to step 3."""
+    assert two_ranks.returncode == 0, two_ranks.stderr[-3000:]
+    for name, steps in (("sft-eval-2", [1, 2, 3]), ("dpo-eval-2", [1, 2])):
+        run = root / name
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["step"] == steps[-1], summary
+        assert (run / "final" / "model.safetensors").is_file()
+        assert (run / "checkpoints" / f"step-{steps[-1]:08d}" / "dcp").is_dir()
+        rows = metrics(run)
+        assert [r["step"] for r in rows] == steps
+        assert all("eval/loss" in r for r in rows)
+    assert "(step 2 of 3)" in " ".join(two_ranks.stderr.split())  # resumed, not started again
+
+
+def test_each_rank_samples_from_the_trained_weights_with_the_hf_engine(root, two_ranks):
+    """Issue 24: the two-rank runs above sample with a stand-in engine whose sync_weights does
+    nothing. With the real HF engine each rank samples from its whole copy of the policy, which
+    must be brought up to the trained shards after every optimizer step: the trainer's log-probs
+    of the sampled tokens (before the update) then equal the engine's, at fp32 to summation-order
+    noise. A stale copy differs after step 1 by what one update at lr 1e-3 moves."""
+    assert two_ranks.returncode == 0, two_ranks.stderr[-3000:]
+    rows = metrics(root / "grpo-hf-2")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows), [r["rollout/logprob_diff_max"] for r in rows]
 
 
 @pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
@@ -187,3 +229,183 @@ def test_a_dead_rank_ends_the_job_instead_of_hanging_it(root):
     assert proc.returncode != 0
     assert time.time() - started < 60  # well within dist_timeout_s (60): torchrun saw it die
     assert "exitcode  : -9" in err or "Signal 9" in err or "SIGKILL" in err, err[-2000:]
+
+
+def parents() -> dict[int, int]:
+    """Every process's parent, from /proc."""
+    out = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            out[int(entry.name)] = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def children_of(pid: int) -> list[int]:
+    return [p for p, parent in parents().items() if parent == pid]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, their children...)."""
+    tree = parents()
+    out, todo = [], [pid]
+    while todo:
+        pid = todo.pop()
+        kids = [p for p, parent in tree.items() if parent == pid]
+        out += kids
+        todo += kids
+    return out
+
+
+def alive(pids: list[int]) -> list[int]:
+    """The pids still running (a zombie, dead but not yet reaped, counts as gone)."""
+    out = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.append(pid)
+    return out
+
+
+def start_cli_run(root: Path, name: str) -> subprocess.Popen:
+    """`rlft train --nproc 2` of a long SFT run with no checkpoint due (the only one is what a stop
+    saves)."""
+    cfg = config(root, "sft", name, max_steps=1000, epochs=1000)
+    raw = yaml.safe_load(cfg.read_text())
+    raw["checkpoint"]["every"] = 1000
+    cfg.write_text(yaml.safe_dump(raw))
+    with open(root / f"{name}.log", "w") as log:  # a file, not a pipe: an orphaned rank would hold that open
+        return subprocess.Popen([sys.executable, "-m", "rlft", "train", "--nproc", "2", str(cfg)], env=ENV,
+                                stdout=log, stderr=subprocess.STDOUT)
+
+
+def after_first_step(proc: subprocess.Popen, run: Path) -> list[int]:
+    """Once the run has logged a step: the processes below the launcher (torchrun, the ranks)."""
+    deadline = time.time() + 240
+    while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().strip()):
+        assert proc.poll() is None and time.time() < deadline, Path(f"{run}.log").read_text()[-3000:]
+        time.sleep(0.2)
+    below = descendants(proc.pid)
+    assert len(below) >= 3, below  # torchrun and two ranks
+    return below
+
+
+def wait_gone(pids: list[int], within: float) -> None:
+    deadline = time.time() + within
+    while alive(pids) and time.time() < deadline:
+        time.sleep(0.2)
+    left = alive(pids)
+    for pid in left:  # leave no stray processes behind a failed test
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"still running {within:g} s later: {left}"
+
+
+def test_sigterm_to_the_launcher_stops_every_rank_with_a_checkpoint(root):
+    """Issue 23: SIGTERM to `rlft train --nproc 2` killed torchrun and left both ranks training as
+    orphans holding the run lock. Now it goes through torchrun to every rank, which saves a
+    checkpoint and stops, as one process does (status 143, no torchrun traceback)."""
+    proc, run = start_cli_run(root, "cli-sigterm"), root / "cli-sigterm"
+    below = after_first_step(proc, run)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        wait_gone(below, within=10)
+    out = Path(f"{run}.log").read_text()
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM", summary
+    assert (run / "checkpoints" / f"step-{summary['step']:08d}" / "COMPLETE").is_file()
+
+
+RANK = """
+import os, sys, time
+from rlft.torchrun import watch_parent
+
+watch_parent(grace_s=5, poll_s=0.2)
+open(os.path.join(sys.argv[1], os.environ["RANK"]), "w").close()
+time.sleep(300)
+"""
+
+
+def test_a_stopped_or_killed_launcher_leaves_no_rank_behind(tmp_path):
+    """Issue 23: a SIGKILLed launcher left torchrun and the ranks running. Now torchrun gets
+    SIGTERM when the launcher dies (and passes it to the ranks); a rank whose torchrun is killed
+    too ends itself (its parent watch); a SIGINT to the launcher (Ctrl-C) reaches every rank.
+    Stand-in ranks that only sleep (this is about processes); the three launches run at once."""
+    (tmp_path / "rank.py").write_text(RANK)
+    cases = ["SIGINT", "SIGKILL launcher", "SIGKILL launcher and torchrun"]
+    launchers = {}
+    for case in cases:
+        ready = tmp_path / case.replace(" ", "-")
+        ready.mkdir()
+        entry = [str(tmp_path / "rank.py"), str(ready)]
+        launch = f"import sys; from rlft.launch import run_torchrun; sys.exit(run_torchrun(2, {entry!r}, 30))"
+        launchers[case] = subprocess.Popen([sys.executable, "-c", launch], env=ENV, stdout=subprocess.PIPE,
+                                           stderr=subprocess.STDOUT, text=True)
+    below: dict[str, list[int]] = {}
+    try:
+        deadline = time.time() + 120
+        for case, launcher in launchers.items():
+            ready = tmp_path / case.replace(" ", "-")
+            while not ((ready / "0").exists() and (ready / "1").exists()):
+                assert launcher.poll() is None and time.time() < deadline, launcher.communicate()[0][-3000:]
+                time.sleep(0.1)
+            below[case] = descendants(launcher.pid)
+            assert len(below[case]) == 3, below  # torchrun and two ranks
+        launchers["SIGINT"].send_signal(signal.SIGINT)
+        launchers["SIGKILL launcher"].kill()
+        os.kill(children_of(launchers["SIGKILL launcher and torchrun"].pid)[0], signal.SIGKILL)
+        launchers["SIGKILL launcher and torchrun"].kill()
+        assert launchers["SIGINT"].wait(timeout=60) == 128 + signal.SIGINT
+        for case in cases:
+            launchers[case].wait(timeout=60)
+            wait_gone(below[case], within=20)
+    finally:  # a failed test leaves nothing running
+        for launcher in launchers.values():
+            if launcher.poll() is None:
+                launcher.kill()
+        for pid in alive([p for pids in below.values() for p in pids]):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def no_torchrun(monkeypatch) -> list:
+    """Launches that got past the launcher's checks (recorded, not started)."""
+    started = []
+    monkeypatch.setattr("rlft.launch.run_torchrun", lambda *args: started.append(args) or 0)
+    return started
+
+
+def test_the_launcher_checks_the_run_once_before_starting_ranks(root, monkeypatch, capsys, no_torchrun):
+    """Issue 23: --nproc 64 on 2 cores started 64 ranks, and a missing config or data file under
+    --nproc 8 printed its error once per rank, then torchrun's 60-line traceback. The launcher now
+    checks first: one `error:` line, status 2, no rank started."""
+    cfg = config(root, "sft", "checked")
+    cores = len(os.sched_getaffinity(0))
+    too_many = assert_clean_user_error(run_main(monkeypatch, capsys, "train", "--nproc", str(cores + 1), str(cfg)))
+    assert f"--nproc {cores} or fewer" in too_many
+    missing = assert_clean_user_error(run_main(monkeypatch, capsys, "train", "--nproc", "2",
+                                               str(root / "nope.yaml")))
+    assert "config file not found" in missing
+    no_data = assert_clean_user_error(run_main(monkeypatch, capsys, "train", "--nproc", "2", str(cfg),
+                                               f"data.eval={root / 'missing.jsonl'}"))
+    assert "missing.jsonl" in no_data and "data.eval" in no_data
+    no_model = assert_clean_user_error(run_main(monkeypatch, capsys, "train", "--nproc", "2", str(cfg),
+                                                f"model.path={root / 'no-model'}"))
+    assert "no-model" in no_model
+    assert no_torchrun == []
+    # a run that passes is started once, with the memory plan's warning printed by the launcher
+    monkeypatch.setattr("rlft.cli_plan._available_ram", lambda: 1 << 20)  # 1 MiB of RAM left
+    ok = run_main(monkeypatch, capsys, "train", "--nproc", "2", str(cfg))
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert len(no_torchrun) == 1 and no_torchrun[0][1] == ["-m", "rlft", "train", str(cfg)]
+    assert (ok.stdout + ok.stderr).count("memory plan") == 1
+    assert "split over 2 ranks" in ok.stdout + ok.stderr

@@ -124,9 +124,9 @@ class _GradRecorder:
         return True, 0.0
 
 
-def test_micro_batches_give_the_same_gradient(setup):
-    """One update over 32 completions, in one forward or in micro-batches of 5 (sorted by length,
-    re-padded): the same gradient, because every part divides by the global normaliser."""
+def _tiny_batch(setup, **sampling):
+    """The tiny policy, 4 prompts x 8 sampled completions as a batch, and group-norm advantages of
+    a reward (text length mod 3) that varies within every group."""
     from rlft.algorithms import ADVANTAGE_ESTIMATORS
     from rlft.config import LoraConfig, ModelConfig
     from rlft.models.loading import load_policy
@@ -134,17 +134,26 @@ def test_micro_batches_give_the_same_gradient(setup):
     from rlft.rollout.contract import SamplingParams
     from rlft.rollout.batch import RolloutBatch
     from rlft.rollout.hf import HFEngine
-    from rlft.training.rl_update import UpdateSettings, policy_update, token_rewards
+    from rlft.training.rl_update import token_rewards
 
     policy = load_policy(ModelConfig(path=str(setup / "model")), LoraConfig())
     engine = HFEngine(policy.model, policy.tokenizer, end_of_turn_ids(policy.tokenizer), policy.device, seed=0)
     prompts = [encode_prompt(policy.tokenizer, [{"role": "user", "content": f"Count to {i}."}]) for i in range(4)]
-    outs = engine.generate(prompts, SamplingParams(n=8, max_new_tokens=12))
+    outs = engine.generate(prompts, SamplingParams(n=8, **sampling))
     batch = RolloutBatch.from_completions(outs, [o.prompt_index for o in outs], policy.tokenizer.pad_token_id,
                                           policy.device)
     rewards = [float(len(o.text) % 3) for o in outs]
     adv, _ = ADVANTAGE_ESTIMATORS["group_norm"](token_rewards(rewards, batch, None), batch.completion_mask,
                                                 batch.group_ids, torch.ones(len(outs), dtype=torch.bool))
+    return policy, batch, adv
+
+
+def test_micro_batches_give_the_same_gradient(setup):
+    """One update over 32 completions, in one forward or in micro-batches of 5 (sorted by length,
+    re-padded): the same gradient, because every part divides by the global normaliser."""
+    from rlft.training.rl_update import UpdateSettings, policy_update
+
+    policy, batch, adv = _tiny_batch(setup, max_new_tokens=12)
     grads = []
     for micro in (None, 5):
         for agg in ("token_mean", "sequence_mean", "constant"):
@@ -170,14 +179,83 @@ def test_mu_epochs_and_minibatches(setup):
     assert max(r["ratio/max"] for r in rows) > 1.0 + 1e-4
 
 
-@pytest.mark.parametrize("method", ["dr_grpo", "dapo", "rloo", "reinforce_pp"])
-def test_presets_train(setup, method):
-    cfg = _config(setup, method, training={"max_steps": 2})
+# What each preset stands for (config.py's PRESETS cite the papers), written out here so a changed
+# preset fails this test instead of being read back from itself. rollout.max_new_tokens is 12.
+PRESET_PROMISES = {
+    "dr_grpo": dict(advantage="group_mean", loss_agg="constant", loss_constant=12, kl_coef=0.0, clip_low=0.2,
+                    clip_high=0.2, dynamic_sampling=False),
+    "dapo": dict(advantage="group_norm", loss_agg="token_mean", kl_coef=0.0, clip_low=0.2, clip_high=0.28,
+                 dynamic_sampling=True),
+    "rloo": dict(advantage="rloo", loss_agg="token_mean", kl_coef=0.05, kl_in="reward", kl_estimator="k1",
+                 clip_low=0.2, clip_high=0.2, dynamic_sampling=False),
+    "reinforce_pp": dict(advantage="reinforce_pp", loss_agg="token_mean", kl_coef=0.01, kl_in="reward",
+                         kl_estimator="k1", clip_low=0.2, clip_high=0.2, dynamic_sampling=False),
+}
+
+
+@pytest.mark.parametrize("method", list(PRESET_PROMISES))
+def test_presets_train(setup, method, monkeypatch):
+    """Each preset resolves to the algorithm it promises, takes one real optimizer step per rollout
+    step (counted at the session, not read from a metric) with a non-zero gradient, and moves the
+    weights. (It used to check only grad_norm > 0 over rows filtered by `update/optimizer_steps`:
+    a run with no optimizer step passed.) With the KL in the reward (rloo, reinforce_pp), the
+    token rewards the advantage estimator sees are the sequence reward minus beta x k1 against the
+    starting weights, and the logged `kl` is the mean of that k1."""
+    from rlft.training import online
+    from rlft.training.session import TrainingSession
+
+    steps, seen = [], []
+    session_step = TrainingSession.optimizer_step
+
+    def counted_step(self, loss_value):
+        applied, norm = session_step(self, loss_value)
+        steps.append((applied, norm))
+        return applied, norm
+
+    def recorded_token_rewards(rewards, batch, kl_penalty):
+        out = online_token_rewards(rewards, batch, kl_penalty)
+        seen.append((list(rewards), batch, None if kl_penalty is None else kl_penalty.clone(), out.clone()))
+        return out
+
+    online_token_rewards = online.token_rewards
+    monkeypatch.setattr(TrainingSession, "optimizer_step", counted_step)
+    monkeypatch.setattr(online, "token_rewards", recorded_token_rewards)
+    cfg = _config(setup, method, training={"max_steps": 2, "precision": "fp32"})
     cfg["method"] = method
     summary = train(cfg)
     assert summary["status"] == "completed"
-    rows = _metrics(setup / "runs" / method)
-    assert len(rows) == 2 and all(r["grad_norm"] > 0 for r in rows if r.get("update/optimizer_steps"))
+    run = setup / "runs" / method
+    resolved = load_config(run / "config.yaml").algorithm  # what the run used
+    assert {k: getattr(resolved, k) for k in PRESET_PROMISES[method]} == PRESET_PROMISES[method]
+
+    rows = _metrics(run)
+    assert len(rows) == 2 and [r["update/optimizer_steps"] for r in rows] == [1.0, 1.0]
+    assert len(steps) == 2 and all(applied and norm > 0 for applied, norm in steps)
+    assert [r["grad_norm"] for r in rows] == pytest.approx([norm for _, norm in steps], rel=1e-6)
+    before, after = _weights(setup / "model"), _weights(run / "final")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+    assert len(seen) == 2
+    if resolved.kl_in != "reward":
+        assert all(penalty is None for _, _, penalty, _ in seen)
+        return
+    from rlft.config import LoraConfig, ModelConfig
+    from rlft.models.loading import load_policy
+    from rlft.training.rl_update import batch_logprobs
+
+    start = load_policy(ModelConfig(path=str(setup / "model"), dtype="fp32"), LoraConfig()).model  # the reference
+    for row, (rewards, batch, penalty, token_rewards) in zip(rows, seen):
+        mask = batch.completion_mask
+        k1 = torch.where(mask, batch.sampling_logprobs - batch_logprobs(start, batch, 1.0, None), 0.0)  # [N, T]
+        torch.testing.assert_close(penalty.where(mask, 0.0), row["beta"] * k1, rtol=1e-4, atol=1e-7)
+        assert row["kl"] == pytest.approx(float(k1.sum() / mask.sum()), rel=1e-4, abs=1e-7)
+        # what the update sees: each sequence reward on its last token, beta x k1 taken off every token
+        expected = -row["beta"] * k1
+        last = mask.sum(-1) - 1
+        expected[torch.arange(batch.size), last] += torch.tensor(rewards)
+        torch.testing.assert_close(token_rewards, expected.float(), rtol=1e-4, atol=1e-6)
+    assert rows[0]["beta"] == resolved.kl_coef
+    assert float((seen[1][2].abs() * seen[1][1].completion_mask).max()) > 1e-4  # step 2: the policy has moved
 
 
 def test_unverifiable_rewards_are_counted_and_stop_the_run(setup):
@@ -222,16 +300,63 @@ def test_adaptive_kl_raises_beta_when_kl_is_above_target(setup):
     assert rows[-1]["beta"] > rows[1]["beta"]
 
 
+def test_proportional_kl_controller_steps_beta_by_the_sequences_seen(setup):
+    """kl_controller=proportional reaches the loop with its horizon and the global batch's sequence
+    count (4 prompts x 8 = 32): replay Ziegler et al.'s rule on the logged KLs."""
+    cfg = _config(setup, "pkl", training={"max_steps": 3, "precision": "fp32"},
+                  algorithm={"kl_coef": 0.04, "kl_target": 1e-3, "kl_controller": "proportional", "kl_horizon": 100})
+    train(cfg)
+    rows = _metrics(setup / "runs" / "pkl")
+    beta = 0.04
+    for row in rows:
+        assert row["beta"] == pytest.approx(beta, rel=1e-9)
+        beta *= 1 + max(-0.2, min(0.2, row["kl"] / 1e-3 - 1)) * 32 / 100  # at most x/÷ 1.064 a step
+    assert len({round(r["beta"], 12) for r in rows}) == 3  # it moved every step
+
+
 def test_mask_truncated_removes_cut_completions_from_the_loss(setup):
-    """max_new_tokens=2: nearly every completion is cut, so masking them leaves (almost) no signal."""
+    """max_new_tokens=2: every completion is cut, so masking leaves no signal and the run's update
+    is skipped, weights unchanged. The precondition is asserted: the test used to check only `if`
+    every completion was cut, and with seed 0 one of 32 stopped, so it checked nothing. Seed 1
+    cuts all 32; the mixed case is the gradient test below."""
     cfg = _config(setup, "mask-trunc", training={"max_steps": 1}, rollout={"max_new_tokens": 2},
                   algorithm={"mask_truncated": True, "kl_coef": 0.0})
+    cfg["seed"] = 1
     train(cfg)
     row = _metrics(setup / "runs" / "mask-trunc")[0]
-    if row["completion/truncation_rate"] == 1.0:
-        assert row.get("update/skipped_no_signal") == 1.0
-        before, after = _weights(setup / "model"), _weights(setup / "runs" / "mask-trunc" / "final")
-        assert all(torch.equal(before[k], after[k]) for k in before)
+    assert row["completion/truncation_rate"] == 1.0, "precondition: every completion cut (try another seed)"
+    assert row["update/skipped_no_signal"] == 1.0 and row["update/optimizer_steps"] == 0.0
+    before, after = _weights(setup / "model"), _weights(setup / "runs" / "mask-trunc" / "final")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_mask_truncated_gradient_is_that_of_the_uncut_rows_alone(setup):
+    """On a batch with cut and uncut completions (a stop string ends some early): the masked update's
+    gradient equals the unmasked gradient of the uncut rows alone (their tokens are the normaliser),
+    and differs from the unmasked gradient of the whole batch, so the cut rows did count before."""
+    from rlft.training.rl_update import UpdateSettings, policy_update
+
+    policy, batch, adv = _tiny_batch(setup, max_new_tokens=8, stop=("a",))
+    cut = batch.truncated
+    assert 0 < int(cut.sum()) < batch.size  # mixed rows (22 stopped, 10 cut for seed 0)
+    assert (adv[cut] != 0).any() and (adv[~cut] != 0).any()  # both kinds carry signal
+
+    def grad(rows, mask_truncated):
+        cfg = load_config(_config(setup, "unused", training={"precision": "fp32"},
+                                  algorithm={"mask_truncated": mask_truncated, "kl_coef": 0.0}))
+        recorder = _GradRecorder(policy)
+        policy_update(recorder, batch.select(rows), adv[rows], None, 0.0, UpdateSettings.from_config(cfg),
+                      torch.Generator())
+        return recorder.grads[0]
+
+    everything = torch.arange(batch.size)
+    masked, uncut_only, unmasked = grad(everything, True), grad(everything[~cut], False), grad(everything, False)
+    assert masked.keys() == uncut_only.keys() and masked
+    for name in masked:
+        scale = float(uncut_only[name].abs().max())
+        torch.testing.assert_close(masked[name], uncut_only[name], rtol=1e-5, atol=1e-6 * scale)
+    differs = [name for name in masked if not torch.allclose(masked[name], unmasked[name], rtol=1e-2, atol=1e-6)]
+    assert len(differs) > len(masked) // 2
 
 
 def test_eval_command_writes_pass_at_k_next_to_the_run(setup):

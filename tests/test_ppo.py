@@ -66,15 +66,53 @@ def test_ppo_raises_held_out_reward_over_its_start(setup, kind):
     assert (critic_dir / ("model.safetensors" if kind == "separate" else "value_head.safetensors")).is_file()
 
 
-def test_critic_warmup_trains_only_the_critic(setup):
-    cfg = ppo_config(setup, "warmup", "separate", training={"max_steps": 2}, critic={"warmup_steps": 2})
+# Adam's first steps move every parameter by about the learning rate: a whole separate critic
+# overshoots at the rate a lone linear head needs (at 1e-2 both made the batch's MSE worse).
+@pytest.mark.parametrize("kind,lr", [("separate", 1e-5), ("shared", 1e-3)])
+def test_critic_warmup_trains_only_the_critic(setup, kind, lr, monkeypatch):
+    """During critic.warmup_steps the policy's weights stay put while the critic's change, and on
+    each warm-up batch the critic's values move toward the returns (their MSE falls). It used to
+    check that a fresh head is non-zero (true before any training) and value/mse >= 0 (always).
+    A reward offset of 1 puts the returns far from a fresh head's values, so there is a way to go."""
+    from rlft.training import critic as critics
+    from rlft.training.distributed import SINGLE
+
+    cls = critics.SeparateCritic if kind == "separate" else critics.SharedValueHead
+    critic_update, seen = cls.update, []
+
+    def watched_update(self, trainer, batch, generator, policy_trained):
+        module = self.model if kind == "separate" else self.head
+        mask = self.targets.loss_mask(batch)
+        old, returns = self.targets.old_values, self.targets.returns
+        critic_before = {k: v.clone() for k, v in module.state_dict().items()}
+        policy_before = {k: v.clone() for k, v in trainer.policy.model.state_dict().items()}
+        out = critic_update(self, trainer, batch, generator, policy_trained)
+        new = self.values(batch, SINGLE)
+        mse = [float(((v - returns) ** 2)[mask].mean()) for v in (old, new)]
+        seen.append(dict(policy_trained=policy_trained, mse=mse,
+                         critic_moved=any(not torch.equal(critic_before[k], v) for k, v in module.state_dict().items()),
+                         policy_kept=all(torch.equal(policy_before[k], v)
+                                         for k, v in trainer.policy.model.state_dict().items())))
+        return out
+
+    monkeypatch.setattr(cls, "update", watched_update)
+    (setup / "offset.py").write_text("def offset(prompt, completion, **row):\n    return 1.0\n")
+    cfg = ppo_config(setup, f"warmup-{kind}", kind, training={"max_steps": 2, "precision": "fp32", "learning_rate": lr},
+                     algorithm={"epochs": 1}, critic={"warmup_steps": 2})
+    cfg["rewards"].append({"fn": f"{setup / 'offset.py'}:offset"})
     train(cfg)
-    before, after = load_file(str(setup / "model" / "model.safetensors")), \
-        load_file(str(setup / "warmup" / "final" / "model.safetensors"))
-    assert all(torch.equal(before[k], after[k]) for k in before)
-    critic = load_file(str(setup / "warmup" / "final" / "critic" / "model.safetensors"))
-    assert not torch.equal(critic["score.weight"], torch.zeros_like(critic["score.weight"]))
-    assert all(r["value/mse"] >= 0 for r in rows(setup / "warmup"))
+    assert len(seen) == 2 and not any(s["policy_trained"] for s in seen)
+    assert all(s["policy_kept"] and s["critic_moved"] for s in seen)
+    for s in seen:
+        assert s["mse"][1] < 0.9 * s["mse"][0], s["mse"]  # values moved toward the returns
+    logged = rows(setup / f"warmup-{kind}")
+    assert [r["update/optimizer_steps"] for r in logged] == [0.0, 0.0]  # no policy step
+    # value/mse is logged from the training forward, before the critic's step: the "before" MSE
+    assert [r["value/mse"] for r in logged] == pytest.approx([s["mse"][0] for s in seen], rel=1e-4)
+    assert logged[1]["value/mse"] < logged[0]["value/mse"]  # and it falls over the warm-up steps
+    before = load_file(str(setup / "model" / "model.safetensors"))
+    after = load_file(str(setup / f"warmup-{kind}" / "final" / "model.safetensors"))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
 @pytest.mark.parametrize("kind", ["separate", "shared"])

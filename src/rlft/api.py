@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,7 @@ from rich.markup import escape
 
 from rlft.config import Config, load_config
 from rlft.errors import ResumeError
+from rlft.launch import CHECKED_ENV
 from rlft.training import checkpoint as ckpt
 
 
@@ -34,11 +36,12 @@ def train(config: Config | dict[str, Any] | str | Path, overrides: list[str] | N
 
         # FSDP2 cannot shard bitsandbytes' packed parameters
         raise ConfigError("model.quantization=4bit trains on one GPU; run without --nproc / torchrun")
-    if world.main:  # the memory plan before any weight loads: a warning, not a refusal
+    if world.main and not os.environ.get(CHECKED_ENV):  # (rlft train --nproc checked it in the launcher)
         from rlft.cli_plan import memory_preflight
         from rlft.monitor.console import console
 
-        warning = memory_preflight(cfg, world.size)
+        # the memory plan before any weight loads: a warning, not a refusal
+        warning = memory_preflight(cfg, world.size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         if warning:
             console.print(f"[bold yellow]warning: {escape(warning)}")
     if world.active:
@@ -55,10 +58,15 @@ def train(config: Config | dict[str, Any] | str | Path, overrides: list[str] | N
 
 def resume(run_dir: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
     """Continue a run from its newest intact checkpoint."""
+    return train(*resume_config(run_dir, overrides))
+
+
+def resume_config(run_dir: str | Path, overrides: list[str] | None = None) -> tuple[Path, list[str]]:
+    """The config file and overrides that continue the run in `run_dir`."""
     root = Path(run_dir)
     if not (root / "config.yaml").is_file():
         raise ResumeError(f"{root} is not a run directory (no config.yaml)")
     if ckpt.find_latest(root / "checkpoints") is None:
         raise ResumeError(f"{root}: no complete checkpoint to resume from.\n"
                           f"Fix: start the run again with `rlft train {root / 'config.yaml'}`")
-    return train(root / "config.yaml", [*(overrides or []), f"output_dir={root}"])
+    return root / "config.yaml", [*(overrides or []), f"output_dir={root}"]

@@ -28,8 +28,8 @@ def train(
 ) -> None:
     from rlft import api
 
-    if nproc is not None and nproc > 1:
-        _launch_torchrun(nproc)  # re-runs this command under torchrun; does not return
+    if nproc is not None and nproc > 1:  # re-runs this command under torchrun; does not return
+        _launch_torchrun(nproc, config, list(overrides or []), resume)
     if resume is not None:
         extra = ([str(config)] if config else []) + list(overrides or [])
         summary = api.resume(resume, extra)
@@ -45,14 +45,16 @@ def train(
         raise typer.Exit(1)
 
 
-def _launch_torchrun(nproc: int) -> None:
+def _launch_torchrun(nproc: int, config: Optional[Path], overrides: list[str], resume: Optional[Path]) -> None:
     """`rlft train --nproc N ARGS` -> `torchrun --nproc-per-node N -m rlft train ARGS` (one node;
-    several nodes: call torchrun yourself, see the README). Exits with torchrun's status."""
-    import subprocess
+    several nodes: call torchrun yourself, see the README), after checking the run once
+    (rlft/launch.py). Exits with torchrun's status."""
+    from rlft.launch import check_launch, launch_config, run_torchrun
 
+    cfg = launch_config(config, overrides, resume)
+    check_launch(cfg, nproc)
     args = [a for i, a in enumerate(sys.argv[1:]) if not (a.startswith("--nproc") or sys.argv[i] == "--nproc")]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "rlft", *args]
-    raise typer.Exit(subprocess.call(command))
+    raise typer.Exit(run_torchrun(nproc, ["-m", "rlft", *args], cfg.training.dist_timeout_s))
 
 
 def _signal_number(name: object) -> int:

@@ -108,10 +108,11 @@ def plan(
     typer.echo(plan_report(load_config(config_path, list(overrides or [])), device, memory_gb, world_size))
 
 
-def memory_preflight(config: Config, world_size: int = 1) -> str | None:
+def memory_preflight(config: Config, world_size: int = 1, local_ranks: int = 1) -> str | None:
     """What `rlft train` says before loading weights when the plan does not fit the run's own
-    device (CUDA: the GPU's memory; CPU: the memory available now); None when it fits or the
-    model's config.json cannot be read (loading then reports that)."""
+    device (CUDA: one rank's plan against its GPU's memory; CPU: the `local_ranks` ranks of this
+    machine against the memory available now); None when it fits or the model's config.json
+    cannot be read (loading then reports that)."""
     import torch
 
     from rlft.models.loading import resolve_device
@@ -131,13 +132,17 @@ def memory_preflight(config: Config, world_size: int = 1) -> str | None:
         label, capacity = "this machine's available RAM", _available_ram()
         if capacity is None:
             return None
+        capacity //= local_ranks  # every rank of this machine holds its own copy of the plan
+        if local_ranks > 1:
+            label = f"this machine's available RAM split over {local_ranks} ranks"
         verdict = Verdict(label, capacity, plan.total, context=0)
     if verdict.fits:
         return None
     lines = [f"memory plan: about {plan.total / GiB:.1f} GiB at the peak; {verdict.text()}"]
     fixes = [a for a in advise(model_cfg, setting, capacity, verdict.context) if a.fits][:3]
     lines += [f"  - {a.change}: {a.total / GiB:.1f} GiB (fits)" for a in fixes]
-    lines.append(f"  details: rlft plan CONFIG --memory-gb {capacity / GiB:.1f}")
+    ranks = f" --world-size {world_size}" if world_size > 1 else ""
+    lines.append(f"  details: rlft plan CONFIG --memory-gb {capacity / GiB:.1f}{ranks}")
     return "\n".join(lines)
 
 

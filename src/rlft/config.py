@@ -214,7 +214,17 @@ class AlgorithmConfig(Section):
     kl_estimator: Literal["k1", "k2", "k3"] | None = Field(None, description="KL estimator (Schulman's k1/k2/k3).")
     kl_in: Literal["loss", "reward"] | None = Field(None, description="KL as a loss term or as a per-token reward penalty.")
     kl_target: float | None = Field(None, gt=0, description="Adaptive KL: target KL per token (None: fixed beta).")
-    kl_adapt_factor: float | None = Field(None, gt=1, description="Adaptive KL: multiply/divide beta by this.")
+    kl_adapt_factor: float | None = Field(
+        None, gt=1, description="Adaptive KL, kl_controller=deadband: multiply/divide beta by this.")
+    kl_controller: Literal["deadband", "proportional"] | None = Field(
+        None, description="Adaptive KL (only with kl_target): 'deadband' multiplies/divides beta by kl_adapt_factor "
+                          "when the KL leaves [0.5, 1.5] x kl_target (PPO paper, arXiv:1707.06347); 'proportional' "
+                          "steps beta by 1 + clip(KL/kl_target - 1, -0.2, 0.2) x sequences/kl_horizon each step "
+                          "(Ziegler et al., arXiv:1909.08593; as in veRL and OpenRLHF).")
+    kl_horizon: int | None = Field(
+        None, gt=0, description="Adaptive KL, kl_controller=proportional: sequences over which beta changes by at "
+                                "most a factor of about e^0.2 = 1.22 (K_beta = sequences per step / kl_horizon; "
+                                "Ziegler et al.'s code uses 10000).")
     entropy_coef: float | None = Field(None, ge=0, description="Entropy bonus coefficient.")
     loss_agg: Literal["token_mean", "sequence_mean", "constant"] | None = Field(
         None, description="Loss aggregation over the global batch.")
@@ -263,6 +273,7 @@ class AlgorithmConfig(Section):
 _BASE_PRESET: dict[str, Any] = dict(
     advantage="group_norm", std_floor=1e-4, clip_low=0.2, clip_high=0.2, dual_clip=None,
     kl_coef=0.04, kl_estimator="k3", kl_in="loss", kl_target=None, kl_adapt_factor=1.5,
+    kl_controller="deadband", kl_horizon=10_000,
     entropy_coef=0.0, loss_agg="token_mean", loss_constant=None, epochs=1, minibatches=1,
     micro_batch_size=None, dynamic_sampling=False, dynamic_sampling_max_rounds=3, mask_truncated=False,
     gamma=1.0, lam=0.95, rollout_correction="none", tis_cap=2.0,
@@ -571,6 +582,11 @@ class Config(Section):
                     f"algorithm.kl_target={a.kl_target} adapts beta multiplicatively, but beta starts at "
                     f"algorithm.kl_coef={a.kl_coef} (the {self.method} preset) and would stay 0. Set a starting "
                     "value, e.g. algorithm.kl_coef=0.01, or drop kl_target")
+            if a.kl_controller == "proportional" and a.kl_target is None:
+                raise ValueError(
+                    "algorithm.kl_controller=proportional steers beta toward algorithm.kl_target, which is not set "
+                    "(beta stays fixed at kl_coef without one). Set a target KL per token, e.g. "
+                    "algorithm.kl_target=0.05, or drop kl_controller")
             if self.rollout.engine == "vllm":  # evaluations during training sample on the same engine
                 check_vllm_sampling(self.eval.temperature, 1.0, 0, "eval")
                 for suite in self.eval.suites:
@@ -606,6 +622,16 @@ def config_warnings(config: Config) -> list[str]:
             if value is not None and value > CLIP_WARN:
                 out.append(f"algorithm.{name}={value:g} is above {CLIP_WARN}: one update can move token "
                            "probabilities far from the sampling policy (PPO uses 0.2, DAPO's clip-higher 0.28)")
+        a = config.algorithm
+        # a changed setting of a controller the run does not use (the preset fills both in)
+        for name, controller in (("kl_horizon", "proportional"), ("kl_adapt_factor", "deadband")):
+            value = getattr(a, name)
+            if value == _BASE_PRESET[name] or (a.kl_target is not None and a.kl_controller == controller):
+                continue
+            why = ("beta is fixed without algorithm.kl_target" if a.kl_target is None else
+                   f"algorithm.kl_controller is {a.kl_controller}")
+            out.append(f"algorithm.{name}={value:g} has no effect: only adaptive KL with kl_controller={controller} "
+                       f"uses it, and {why}")
     return out
 
 

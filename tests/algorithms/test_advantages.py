@@ -80,7 +80,7 @@ def test_invalid_sample_gets_exact_zero_in_every_estimator(name):
     assert torch.all(adv[~mask] == 0)
 
 
-@pytest.mark.parametrize("name", GROUP_METHODS + ("reinforce_pp_baseline",))
+@pytest.mark.parametrize("name", GROUP_METHODS)
 def test_zero_std_group_is_exactly_zero(name):
     x = torch.tensor([0.1, 0.1, 0.1], dtype=torch.float64)
     assert x.sum() / 3 != x[0]  # the naive mean is off by float error, so exact 0 needs handling
@@ -146,13 +146,38 @@ def test_reinforce_pp_hand():
 
 
 def test_reinforce_pp_baseline_hand():
-    # group 0 scores [1, 0] (2 tokens each, gamma 1): returns [1, 1], [0, 0]; baseline 0.5 -> +-0.5
-    # group 1 has one sample: its own score is the baseline -> 0
-    # tokens [.5, .5, -.5, -.5, 0, 0]: mean 0, var (4 * 0.25) / 5 = 0.2, std 0.44721 -> +-1.11803
-    rewards, mask = batch([1.0, 0.0, 3.0], [2, 2, 2])
-    adv, _ = run("reinforce_pp_baseline", rewards, mask, [0, 0, 1])
-    expected = torch.tensor([[1.11803399] * 2, [-1.11803399] * 2, [0.0, 0.0]], dtype=torch.float64)
+    # group 0 scores [1, 0], lengths [2, 1] (gamma 1): returns [1, 1], [0]; baseline 0.5 -> [.5, .5], [-.5]
+    # group 1 has one sample (length 1): its own score is the baseline -> [0]
+    # tokens [.5, .5, -.5, 0]: batch mean 0.125 -> deviations [.375, .375, -.625, -.125]
+    # unbiased var (.140625 * 2 + .390625 + .015625) / 3 = .6875 / 3, std 0.47871355
+    # -> [.375, .375] / std = 0.78334945, -.625 / std = -1.30558242, -.125 / std = -0.26111648
+    # (before re-centring on the batch mean, the lone sample got 0 and the others +-1.04446594)
+    rewards, mask = batch([1.0, 0.0, 3.0], [2, 1, 1])
+    adv, m = run("reinforce_pp_baseline", rewards, mask, [0, 0, 1])
+    expected = torch.tensor([[0.78334945, 0.78334945], [-1.30558242, 0.0], [-0.26111648, 0.0]], dtype=torch.float64)
     torch.testing.assert_close(adv, expected, rtol=1e-7, atol=0)
+    assert abs(m["adv/mean"]) < 1e-12  # centred on the batch, as veRL / OpenRLHF / the paper's global norm
+
+
+def test_reinforce_pp_baseline_zero_variance_group_shifts_with_the_batch():
+    # group 4: [0.1] x 3 (all equal), lengths [2, 1, 3] -> centred 0 on its 6 tokens
+    # group 9: [1, 0], lengths [3, 1]: mean 0.5 -> [.5, .5, .5], [-.5]
+    # 10 tokens, sum 1.5 - 0.5 = 1 -> batch mean 0.1; deviations: six -0.1, three 0.4, one -0.6
+    # unbiased var (6 * .01 + 3 * .16 + .36) / 9 = 0.9 / 9 = 0.1 -> adv = deviation * sqrt(10)
+    # group 4: -0.1 * 3.16227766 = -0.31622777 on every token of every member (no preference among them)
+    # group 9: 0.4 * 3.16227766 = 1.26491106; -0.6 * 3.16227766 = -1.89736660
+    rewards, mask = batch([0.1, 0.1, 0.1, 1.0, 0.0], [2, 1, 3, 3, 1])
+    adv, m = run("reinforce_pp_baseline", rewards, mask, [4, 4, 4, 9, 9])
+    flat = torch.tensor(-0.31622777, dtype=torch.float64)
+    torch.testing.assert_close(adv[:3][mask[:3]], flat.expand(6), rtol=1e-7, atol=0)
+    torch.testing.assert_close(adv[3], torch.tensor([1.26491106] * 3, dtype=torch.float64), rtol=1e-7, atol=0)
+    torch.testing.assert_close(adv[4], torch.tensor([-1.89736660, 0, 0], dtype=torch.float64), rtol=1e-7, atol=0)
+    assert torch.all(adv[~mask] == 0)
+    assert m["adv/zero_std_group_frac"] == 0.5
+    # a batch of only such groups has nothing to re-centre: exactly 0, not noise over the std floor
+    rewards, mask = batch([0.1, 0.1, 0.1, 7.0], [2, 1, 3, 2])
+    adv, _ = run("reinforce_pp_baseline", rewards, mask, [4, 4, 4, 9])
+    assert torch.equal(adv, torch.zeros(4, 3, dtype=torch.float64))
 
 
 def test_reinforce_pp_all_equal_batch_is_exactly_zero():
@@ -269,7 +294,7 @@ def loop_reinforce(rewards, lengths, group_ids, valid, gamma, baseline, std_floo
         for t in range(lengths[i]):
             out[i][t] = ret[t] - b
     cells = [(i, t) for i in range(N) if valid[i] for t in range(lengths[i])]
-    return torch.tensor(loop_whiten(out, cells, not baseline, std_floor), dtype=torch.float64)
+    return torch.tensor(loop_whiten(out, cells, True, std_floor), dtype=torch.float64)  # both re-centre
 
 
 def loop_gae(rewards, values, lengths, valid, gamma, lam):

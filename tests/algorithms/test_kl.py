@@ -11,6 +11,7 @@ from rlft.algorithms.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
+    ProportionalKLController,
     make_kl_controller,
 )
 
@@ -122,3 +123,62 @@ def test_controller_rejects_bad_settings():
         AdaptiveKLController(0.1, target=0.1, factor=1.0)
     with pytest.raises(ValueError, match="target"):
         AdaptiveKLController(0.1, target=0.0)
+
+
+def test_proportional_controller_hand():
+    # Ziegler et al.: beta *= 1 + clip(KL/target - 1, -0.2, 0.2) * n / horizon
+    c = ProportionalKLController(0.1, target=0.02, horizon=1000)
+    # KL 0.022: error 0.022/0.02 - 1 = 0.1 (inside the clip); 64 sequences:
+    # 0.1 * (1 + 0.1 * 64/1000) = 0.1 * 1.0064 = 0.10064
+    assert c.update(0.022, 64) == pytest.approx(0.10064, rel=1e-12)
+    # KL 0.1: error 4.0 clipped to 0.2; 500 sequences: 0.10064 * (1 + 0.2 * 0.5) = 0.10064 * 1.1 = 0.110704
+    assert c.update(0.1, 500) == pytest.approx(0.110704, rel=1e-12)
+    # KL 0: error -1 clipped to -0.2; 1000 sequences: 0.110704 * (1 - 0.2) = 0.0885632
+    assert c.update(0.0, 1000) == pytest.approx(0.0885632, rel=1e-12)
+    # KL exactly on target: error 0 -> unchanged, however many sequences
+    assert c.update(0.02, 10_000) == pytest.approx(0.0885632, rel=1e-12)
+    # no sequences, no step
+    assert c.update(5.0, 0) == pytest.approx(0.0885632, rel=1e-12)
+    # the dead band would not move beta at error 0.1 (KL 1.1 x target): the proportional one does
+    d = AdaptiveKLController(0.1, target=0.02)
+    assert d.update(0.022) == 0.1
+
+
+def test_proportional_matches_a_long_run_of_the_formula():
+    # Oracle: 50 steps of the formula written out, KL drifting across the target both ways
+    c = make_kl_controller(0.05, target=0.1, kind="proportional", horizon=2000)
+    assert isinstance(c, ProportionalKLController)
+    beta = 0.05
+    for t in range(50):
+        kl = 0.1 * (1 + 0.5 * math.sin(t / 3))  # 0.05 .. 0.15: clipped at both ends, linear between
+        n = 32 + t
+        e = max(-0.2, min(0.2, kl / 0.1 - 1))
+        beta = beta * (1 + e * n / 2000)
+        assert c.update(kl, n) == pytest.approx(beta, rel=1e-12)
+
+
+def test_proportional_state_roundtrip():
+    c = make_kl_controller(0.2, target=0.1, kind="proportional", horizon=100)
+    c.update(1.0, 50)  # error clipped to 0.2: 0.2 * (1 + 0.2 * 0.5) = 0.22
+    state = c.state_dict()
+    assert state == pytest.approx({"value": 0.22, "target": 0.1, "horizon": 100.0})
+    fresh = make_kl_controller(0.2, target=0.1, kind="proportional", horizon=100)
+    fresh.load_state_dict(state)
+    assert fresh.value == pytest.approx(0.22)
+    # continues where c left off: error -0.2 -> 0.22 * (1 - 0.2 * 0.5) = 0.198
+    assert fresh.update(0.0, 50) == pytest.approx(0.198)
+    assert c.update(0.0, 50) == pytest.approx(0.198)
+
+
+def test_proportional_rejects_bad_settings_and_factory_names():
+    with pytest.raises(ValueError, match="horizon"):
+        ProportionalKLController(0.1, target=0.1, horizon=0)
+    with pytest.raises(ValueError, match="target"):
+        ProportionalKLController(0.1, target=-1.0)
+    with pytest.raises(ValueError, match="n_samples"):
+        ProportionalKLController(0.1, target=0.1).update(0.1, -1)
+    with pytest.raises(ValueError, match="deadband, proportional"):
+        make_kl_controller(0.1, target=0.1, kind="pid")
+    # no target: a fixed beta whichever controller is named
+    assert isinstance(make_kl_controller(0.1, kind="proportional"), FixedKLController)
+    assert isinstance(make_kl_controller(0.1, target=0.1), AdaptiveKLController)  # deadband by default

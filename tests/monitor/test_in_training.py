@@ -137,3 +137,15 @@ def test_every_logged_metric_is_in_the_catalogue(root):
         logged = {k for r in _metrics(run) for k in r}
         unknown = {k for k in logged if k not in names and not k.startswith(prefixes)}
         assert not unknown, (name, unknown)
+
+
+def test_metric_descriptions_name_metrics_a_run_logs():
+    """A description of a renamed or dropped metric would mislead: each names a metric that an online
+    run with a KL term logs."""
+    from rlft.monitor.catalogue import METRIC_DESCRIPTIONS
+
+    cfg = load_config({"method": "grpo", "output_dir": "runs/x", "model": {"path": "m"},
+                       "data": {"train": "d.jsonl"}, "rewards": [{"fn": "math"}]})
+    names, _ = metric_names(cfg, ["math"])
+    assert METRIC_DESCRIPTIONS and set(METRIC_DESCRIPTIONS) <= names
+    assert "k3" in METRIC_DESCRIPTIONS["policy/approx_kl"]  # tests/algorithms/test_policy_loss.py checks the number

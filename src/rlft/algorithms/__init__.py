@@ -10,6 +10,8 @@ from rlft.algorithms.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
+    KLController,
+    ProportionalKLController,
     make_kl_controller,
 )
 from rlft.algorithms.policy_loss import POLICY_LOSSES
@@ -24,6 +26,8 @@ __all__ = [
     "PREFERENCE_LOSSES",
     "AdaptiveKLController",
     "FixedKLController",
+    "KLController",
+    "ProportionalKLController",
     "aggregate",
     "bradley_terry",
     "clipped_value_loss",

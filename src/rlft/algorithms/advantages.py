@@ -10,7 +10,8 @@ Rules shared by all estimators:
 - advantages are detached and exactly 0 outside the mask and on invalid samples (`valid` False:
   the reward could not be verified); invalid samples are left out of every mean and std;
 - a group whose valid scores are all equal, or that has fewer than 2 valid members, gives exactly
-  0 for the group methods: equality is detected, not left to float error.
+  0 for the group methods (group_norm, group_mean, rloo): equality is detected, not left to float
+  error. (reinforce_pp_baseline then shifts it with the whole batch: see there.)
 """
 
 from __future__ import annotations
@@ -169,20 +170,22 @@ def reinforce_pp(token_rewards: Tensor, completion_mask: Tensor, group_ids: Tens
 def reinforce_pp_baseline(token_rewards: Tensor, completion_mask: Tensor, group_ids: Tensor,
                           valid: Tensor, *, values: Tensor | None = None, std_floor: float = 1e-4,
                           gamma: float = 1.0, lam: float = 0.95) -> tuple[Tensor, dict[str, float]]:
-    """REINFORCE++-baseline (arXiv:2501.03262): returns minus the group mean score, then divided
-    by the batch std of those values.
+    """REINFORCE++-baseline (arXiv:2501.03262): returns minus the group mean score, then
+    normalised over the batch: re-centred on the batch mean of those values over valid tokens and
+    divided by their batch std (the paper's global normalisation; veRL and OpenRLHF do the same).
 
-    Deviation: the batch mean is not subtracted again (`shift_mean=False`): the group baseline
-    already centres each group, and re-centring would give a zero-variance group a non-zero
-    advantage. A group with all-equal scores (or one valid member) uses its own score as the
-    baseline, so with no KL in the reward its advantages are exactly 0.
+    A group with all-equal scores (or one valid member) uses its own score as the baseline (veRL
+    uses 0 for a lone member), so with gamma = 1 and no KL in the reward its centred returns are
+    0. The re-centring then gives each of its tokens -(batch mean) / std: one value for all its
+    members, so no preference among them. That is 0 up to rounding when the batch mean is 0 (e.g.
+    all completions equally long), and exactly 0 when every group in the batch is such a group.
     """
     rewards, token_mask, scores = _prep(token_rewards, completion_mask, valid)
     g = _Groups(scores, group_ids, valid)
     baseline = torch.where(g.per_sample(g.degenerate), scores, g.per_sample(g.mean))  # [N]
     returns = discounted_returns(rewards, token_mask, gamma)  # [N, T]
     centred = torch.where(token_mask, returns - baseline[:, None], 0.0)
-    adv = whiten(centred, token_mask, shift_mean=False, std_floor=std_floor)
+    adv = whiten(centred, token_mask, shift_mean=True, std_floor=std_floor)
     return adv.to(token_rewards.dtype), _metrics(adv, token_mask, g)
 
 

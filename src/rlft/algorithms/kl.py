@@ -8,7 +8,7 @@ building blocks, and the caller masks, aggregates and logs the result.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol
 
 from torch import Tensor
 
@@ -43,13 +43,26 @@ def k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": k1, "k2": k2, "k3": k3}
 
 
+class KLController(Protocol):
+    """beta for the next step. `update` gets the mean per-token KL measured on this step's batch and
+    the number of sequences it was measured on (only the proportional controller uses that)."""
+
+    value: float
+
+    def update(self, measured_kl: float, n_samples: int) -> float: ...
+
+    def state_dict(self) -> dict[str, float]: ...
+
+    def load_state_dict(self, state: dict[str, float]) -> None: ...
+
+
 class FixedKLController:
     """A constant KL coefficient."""
 
     def __init__(self, beta: float):
         self.value = float(beta)
 
-    def update(self, measured_kl: float) -> float:
+    def update(self, measured_kl: float, n_samples: int = 0) -> float:
         return self.value
 
     def state_dict(self) -> dict[str, float]:
@@ -60,11 +73,12 @@ class FixedKLController:
 
 
 class AdaptiveKLController:
-    """Steer the measured KL toward `target` by a multiplicative step on beta (the adaptive KL
-    penalty of Ziegler et al., arXiv:1909.08593, with a dead band instead of a proportional step).
+    """Steer the measured KL toward `target` by a multiplicative step on beta: the adaptive KL
+    penalty of the PPO paper (Schulman et al., arXiv:1707.06347, section 4).
 
     KL above 1.5x target: beta *= factor; below 0.5x target: beta /= factor; else unchanged.
-    The dead band keeps beta from oscillating on per-step noise.
+    The dead band keeps beta from oscillating on per-step noise. (The paper divides and
+    multiplies by 2 at KL_target / 1.5 and x 1.5; rlft's band and factor are settings.)
     """
 
     def __init__(self, beta: float, target: float, factor: float = 1.5):
@@ -76,7 +90,7 @@ class AdaptiveKLController:
         self.target = float(target)
         self.factor = float(factor)
 
-    def update(self, measured_kl: float) -> float:
+    def update(self, measured_kl: float, n_samples: int = 0) -> float:
         if measured_kl > 1.5 * self.target:
             self.value *= self.factor
         elif measured_kl < 0.5 * self.target:
@@ -91,9 +105,57 @@ class AdaptiveKLController:
         self.value = float(state["value"])
 
 
+# Ziegler et al. clip the proportional error to +-20%: one step moves beta by at most
+# 0.2 * n_samples / horizon of itself.
+PROPORTIONAL_ERROR_CLIP = 0.2
+
+
+class ProportionalKLController:
+    """The proportional controller of Ziegler et al. (arXiv:1909.08593, section 2.2):
+
+        e_t = clip(KL_t / target - 1, -0.2, 0.2);  beta_{t+1} = beta_t * (1 + K_beta * e_t)
+
+    The paper uses K_beta = 0.1; its code (lm-human-preferences, as veRL and OpenRLHF) sets
+    K_beta = n_samples / horizon, with n_samples the sequences in the step's batch, so the rate
+    of adaptation is per sample seen, not per step: beta changes by at most a factor of about
+    e^0.2 = 1.22 (up or down) per `horizon` samples.
+    """
+
+    def __init__(self, beta: float, target: float, horizon: float = 10_000):
+        if target <= 0:
+            raise ValueError(f"adaptive KL target must be > 0 (got {target})")
+        if horizon <= 0:
+            raise ValueError(f"proportional KL horizon must be > 0 (got {horizon})")
+        self.value = float(beta)
+        self.target = float(target)
+        self.horizon = float(horizon)
+
+    def update(self, measured_kl: float, n_samples: int) -> float:
+        if n_samples < 0:
+            raise ValueError(f"n_samples must be >= 0 (got {n_samples})")
+        error = min(max(measured_kl / self.target - 1.0, -PROPORTIONAL_ERROR_CLIP), PROPORTIONAL_ERROR_CLIP)
+        self.value *= 1.0 + error * n_samples / self.horizon
+        return self.value
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        # Only beta is run state; target and horizon come from the (resolved) config.
+        self.value = float(state["value"])
+
+
+KL_CONTROLLERS = ("deadband", "proportional")
+
+
 def make_kl_controller(beta: float, target: float | None = None, factor: float = 1.5,
-                       ) -> FixedKLController | AdaptiveKLController:
-    """Fixed beta when target is None, else adaptive."""
+                       kind: str = "deadband", horizon: float = 10_000) -> KLController:
+    """Fixed beta when target is None; else adaptive: `kind` 'deadband' (PPO paper, uses
+    `factor`) or 'proportional' (Ziegler et al., uses `horizon`)."""
+    if kind not in KL_CONTROLLERS:
+        raise ValueError(f"unknown KL controller {kind!r}; choose one of {', '.join(KL_CONTROLLERS)}")
     if target is None:
         return FixedKLController(beta)
+    if kind == "proportional":
+        return ProportionalKLController(beta, target, horizon)
     return AdaptiveKLController(beta, target, factor)

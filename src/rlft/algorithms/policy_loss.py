@@ -57,7 +57,8 @@ def clipped(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, completi
         any_tok = bool(mask.any())
         masked_ratio = ratio[mask]
         # How far this update has moved: KL(pi_old || pi), estimated on tokens sampled from pi_old
-        # with k3 = (r - 1) - log r, r = pi / pi_old (Schulman, http://joschu.net/blog/kl-approx.html).
+        # with k3 = (r - 1) - log r, r = pi / pi_old (Schulman, http://joschu.net/blog/kl-approx.html);
+        # veRL logs k1 (its ppo_kl) instead.
         approx_kl = torch.where(mask, ratio - 1 - log_ratio, 0.0).sum() / n
         metrics = {
             "clip/low_frac": float(low.sum() / n),

@@ -31,16 +31,20 @@ def read_rows(source: str, split: str = "train", max_row_bytes: int = DEFAULT_MA
     return [_limit(row, max_row_bytes) for row in rows]
 
 
-def _read(source: str, split: str, max_row_bytes: int) -> list[Row]:
-    if source.startswith("hf:"):
-        return _read_hub(source[3:], split)
-    path = Path(source)
-    if not path.exists():
+def check_source(source: str, setting: str = "data.train / data.eval") -> None:
+    """A local data source exists (a hub dataset, 'hf:NAME', is found when it is read)."""
+    if not source.startswith("hf:") and not Path(source).exists():
         raise DataError(f"data file not found: {source}\nFix: " + (
             f"{source!r} is written in Windows style (a drive letter or backslashes), which this system does "
             f"not read as a path; write it with '/', e.g. {windows_to_posix(source)!r}"
-            if looks_like_windows(source) else
-            "check data.train / data.eval, or use 'hf:NAME' for a hub dataset"))
+            if looks_like_windows(source) else f"check {setting}, or use 'hf:NAME' for a hub dataset"))
+
+
+def _read(source: str, split: str, max_row_bytes: int) -> list[Row]:
+    if source.startswith("hf:"):
+        return _read_hub(source[3:], split)
+    check_source(source)
+    path = Path(source)
     if path.is_dir():
         return _read_saved_dataset(path, split)
     suffix = path.suffix.lower()

@@ -25,6 +25,15 @@ _ONLINE_IF = {
                          "dynamic_sampling/reward_mean_before_filter"),
     "critic": ("value/loss", "value/clip_frac", "value/mse", "value/mean", "value/returns_mean", "critic/grad_norm"),
 }
+# What a metric measures where the name alone leaves it open, or frameworks differ on it.
+METRIC_DESCRIPTIONS = {
+    "policy/approx_kl": "How far the update moved the policy: KL(pi_old || pi) per token on the sampled tokens, "
+                        "the k3 estimator (r - 1) - log r with r = pi / pi_old (Schulman's note), averaged over "
+                        "the step's updates; >= 0. veRL's ppo_kl is k1 (mean of log pi_old - log pi), which can "
+                        "be negative: compare the two only when both are small.",
+    "kl": "KL(pi || reference) per token on the sampled tokens, with algorithm.kl_estimator (k1, k2 or k3), "
+          "measured before the step's update; what an adaptive beta steers toward algorithm.kl_target.",
+}
 _GENERATION_EVAL = ("eval/format_compliance", "eval/length_mean", "eval/truncation_rate", "eval/num_prompts")
 _REWARD_EVAL = ("eval/reward_mean", "eval/accuracy", "eval/pass@1")
 _OFFLINE = ("step_time", "tokens", "tokens_per_s", "epoch")

@@ -27,7 +27,7 @@ from rlft.models.precision import autocast_to
 from rlft.monitor.stats import MetricAccumulator
 from rlft.rollout.batch import RolloutBatch
 from rlft.training.optim import build_optimizer, build_scheduler, clip_gradients
-from rlft.training.distributed import SINGLE, World, full_state_dict, loss_scale, shard
+from rlft.training.distributed import SINGLE, World, full_state_dict, loss_scale, reshard, shard
 from rlft.training.rl_update import ExtraLoss, Trainer, UpdateSettings, lockstep_chunks
 
 
@@ -184,6 +184,7 @@ class SeparateCritic:
                                                              get_optimizer_state_dict)
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True) if self.world.active else None
+        reshard(self.model)  # its optimizer holds the shards (a values() forward may have left others)
         return {"weights": get_model_state_dict(self.model, options=options),
                 "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=options),
                 "scheduler": self.scheduler.state_dict()}
@@ -193,6 +194,7 @@ class SeparateCritic:
                                                              set_optimizer_state_dict)
 
         options = StateDictOptions(full_state_dict=True) if self.world.active else None
+        reshard(self.model)
         set_model_state_dict(self.model, state["weights"], options=options)
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
         self.scheduler.load_state_dict(state["scheduler"])

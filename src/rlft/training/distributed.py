@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from rlft.errors import RlftError
+from rlft.torchrun import watch_parent
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ def init_world(device_type: str, timeout_s: float) -> World:
         return SINGLE
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     os.environ["RLFT_DIST_TIMEOUT_S"] = str(timeout_s)  # for the CLI's message if a peer dies
+    watch_parent(timeout_s)
     if not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
         if device_type == "cuda":
@@ -153,6 +155,19 @@ def shard(model: torch.nn.Module, world: World) -> torch.nn.Module:
         fully_shard(layer)
     fully_shard(model)
     return model
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Register the shards again as every FSDP unit's parameters (a no-op where they already are).
+    FSDP2 keeps the root unit's whole parameters after a forward, for the backward that follows
+    in training; a forward with no backward after it (a held-out eval, reference log-probs, a
+    frozen backbone) leaves them registered, and the optimizer, which holds the shards, then
+    finds parameters it does not know (get_optimizer_state_dict: KeyError)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def gather_rows(world: World, *tensors: torch.Tensor) -> tuple[list[torch.Tensor], tuple[int, int]]:

@@ -99,7 +99,7 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
                               "(or drop the agent section)")
         driver = turn_driver(config.agent, engine, policy.tokenizer)
         _check_prompts_with_tools(driver, prompts, d.max_prompt_length)
-    kl_ctl = make_kl_controller(a.kl_coef, a.kl_target, a.kl_adapt_factor)
+    kl_ctl = make_kl_controller(a.kl_coef, a.kl_target, a.kl_adapt_factor, a.kl_controller, a.kl_horizon)
     sampler = PromptSampler(len(train_rows), config.seed, d.shuffle, order=train_rows.order)
     update_gen = torch.Generator().manual_seed(config.seed)
     total = config.training.max_steps or config.training.epochs * math.ceil(len(train_rows) /
@@ -228,8 +228,8 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
         update.update(critic.update(session, batch, generator, policy_trained=train_policy))
     metrics.update(update)
     metrics["nonfinite_skipped"] = float(session.nonfinite_total)
-    if "kl" in metrics:
-        kl_ctl.update(metrics["kl"])
+    if "kl" in metrics:  # measured on every sequence of the global batch
+        kl_ctl.update(metrics["kl"], int(mask_g.shape[0]))
     metrics["time/train"] = time.perf_counter() - start
     return metrics
 

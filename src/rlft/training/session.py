@@ -34,7 +34,7 @@ from rlft.monitor.monitor import Monitor
 from rlft.monitor.rundir import RunDir, fresh_dir
 from rlft.rewards.calls import ScoringInterrupted
 from rlft.training import checkpoint as ckpt
-from rlft.training.distributed import SINGLE, World, full_state_dict
+from rlft.training.distributed import SINGLE, World, full_state_dict, reshard
 from rlft.training.optim import build_optimizer, build_scheduler, clip_gradients
 from rlft.training.threads import set_run_threads
 
@@ -585,15 +585,18 @@ class OptimizerState:
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+        reshard(self.module)  # the optimizer's parameters are the shards (an eval may have left others)
         return get_optimizer_state_dict(self.module, self.optimizer)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+        reshard(self.module)
         set_optimizer_state_dict(self.module, self.optimizer, state)
 
     def load_full_state_dict(self, state: dict[str, Any]) -> None:
         """A whole (one-process) state into a sharded run."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+        reshard(self.module)
         set_optimizer_state_dict(self.module, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
