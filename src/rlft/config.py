@@ -364,6 +364,29 @@ class CriticConfig(Section):
         return None if value is None else paths.existing(_local(value, "critic.path"))
 
 
+class AgentConfig(Section):
+    """Multi-turn rollouts with tools (online methods, rollout.engine=hf, one process): each
+    assistant turn is sampled, its tool calls run, their results inserted (never trained on)."""
+
+    tools: list[str] = Field(
+        description="Tools the model may call: built-in 'calculator', or 'module:function' / 'file.py:function' "
+                    "(type hints and a docstring with Args: give the schema the template shows).")
+    max_turns: int = Field(4, ge=1, description="Assistant turns per episode (each at most rollout.max_new_tokens); "
+                                                "a call on the last one is not run.")
+    max_total_tokens: int = Field(
+        1024, ge=1, description="One budget for everything after the prompt (sampled and tool tokens); an "
+                                "observation that would fill it ends the episode as truncated.")
+    max_tool_output_tokens: int = Field(256, ge=1, description="A tool result longer than this is cut, with a marker.")
+    tool_timeout_s: float = Field(10.0, gt=0, description="Time limit per tool call; a late call is an error result.")
+    max_calls_per_turn: int = Field(4, ge=1, description="Calls run per turn; further ones get an error result.")
+    check_drift: bool = Field(
+        True, description="Re-render each finished episode through the template and log how many trained tokens "
+                          "differ from it (agent/retokenize_drift): what re-tokenising would have trained on.")
+    parser: Literal["auto", "hermes"] = Field(
+        "auto", description="Tool-call syntax: hermes = <tool_call>{json}</tool_call> (Qwen, Hermes); auto picks it "
+                            "from the chat template.")
+
+
 class RewardSpec(Section):
     fn: str = Field(description="Built-in name (math, exact_match, regex, json_fields, ...) or 'module:function' / 'file.py:function'.")
     name: str | None = Field(None, description="Component name in logs (default: derived from fn).")
@@ -563,6 +586,7 @@ class Config(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     rewards: list[RewardSpec] = Field(default_factory=list, description="Reward components (online methods).")
+    agent: AgentConfig | None = Field(None, description="Multi-turn rollouts with tools (None: single-turn).")
     scoring: ScoringConfig = Field(default_factory=ScoringConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -616,6 +640,13 @@ class Config(Section):
                                  "cannot be synced into vLLM; use rollout.engine=hf")
         if self.algorithm.sft_mix and not self.is_online:
             raise ValueError(f"algorithm.sft_mix adds an SFT loss to online RL; method {self.method} does not use it")
+        if self.agent is not None:
+            if not self.is_online:
+                raise ValueError(f"agent: tools are used in online rollouts; method {self.method} does not sample "
+                                 "(drop the agent section, or use an online method such as grpo)")
+            if self.rollout.engine != "hf":
+                raise ValueError("agent: multi-turn rollouts run on rollout.engine=hf only so far (the vLLM engine is "
+                                 "not tested with them); set rollout.engine: hf")
         if self.eval.suites and self.method == "reward_model":
             raise ValueError("eval.suites evaluate a policy's generations; a reward model does not generate "
                              "(its held-out metrics come from data.eval)")
@@ -644,8 +675,9 @@ class Config(Section):
                 check_vllm_sampling(self.eval.temperature, 1.0, 0, "eval")
                 for suite in self.eval.suites:
                     check_vllm_sampling(suite.sampling.temperature, 1.0, 0, f"eval.suites[{suite.name}].sampling")
-            if a.loss_agg == "constant" and a.loss_constant is None:
-                self.algorithm.loss_constant = self.rollout.max_new_tokens
+            if a.loss_agg == "constant" and a.loss_constant is None:  # Dr. GRPO: the longest possible completion
+                longest = self.agent.max_total_tokens if self.agent else self.rollout.max_new_tokens
+                self.algorithm.loss_constant = longest
         return self
 
     @property

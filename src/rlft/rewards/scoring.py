@@ -120,9 +120,22 @@ def score_completions(scorer: "RewardScorer", examples: list[Any], completions: 
     """Score completion i as the answer to examples[i] (a PromptExample: its last message, fields,
     conversation and rendered prompt; a Completion: text, finish reason, token count)."""
     rows = [scoring_row(e.fields, c.finish_reason, len(c.completion_ids), max_new_tokens, e.messages, e.rendered)
-            for e, c in zip(examples, completions)]
+            if c.episode is None else episode_row(e, c, max_new_tokens) for e, c in zip(examples, completions)]
     return scorer.score([e.prompt_text for e in examples], [c.text for c in completions], rows,
                         [e.where for e in examples])
+
+
+def episode_row(example: Any, completion: Any, max_new_tokens: int) -> dict[str, Any]:
+    """A multi-turn episode's row: `messages` is the whole transcript (the prompt conversation,
+    then assistant turns with their `tool_calls` and the `tool` results); the positional
+    `completion` is the last assistant turn; `turns`, `tool_calls` and `tool_errors` count.
+    `completion_tokens` counts every token after the prompt and `max_new_tokens` is the episode's
+    budget they share (so length shaping such as `overlong` measures the whole episode)."""
+    ep = completion.episode
+    row = scoring_row(example.fields, completion.finish_reason, len(completion.completion_ids),
+                      ep.max_tokens or max_new_tokens, ep.messages, example.rendered)
+    row.update(turns=ep.turns, tool_calls=ep.tool_calls, tool_errors=sum(ep.errors.values()))
+    return row
 
 
 @dataclass

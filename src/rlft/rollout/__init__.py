@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from rlft.config import RolloutConfig, VllmSettings
+from rlft.config import AgentConfig, RolloutConfig, VllmSettings
 from rlft.errors import ConfigError
 from rlft.models.precision import DTYPES
 from rlft.rollout.contract import Completion, Engine, SamplingParams
@@ -51,10 +51,23 @@ def rollout_dtype(name: str, precision: Any, device: torch.device | None = None)
     return None if dtype in (None, precision.weight_dtype) else dtype
 
 
+def turn_driver(cfg: AgentConfig, engine: Engine, tokenizer: Any) -> Any:
+    """The multi-turn driver `agent` configures: its tools loaded and checked, its parser chosen."""
+    from rlft.rollout.tool_calls import pick_parser
+    from rlft.rollout.tools import load_tools
+    from rlft.rollout.turns import AgentLimits, TurnDriver
+
+    limits = AgentLimits(max_turns=cfg.max_turns, max_total_tokens=cfg.max_total_tokens,
+                         max_tool_output_tokens=cfg.max_tool_output_tokens, tool_timeout_s=cfg.tool_timeout_s,
+                         max_calls_per_turn=cfg.max_calls_per_turn)
+    return TurnDriver(engine, tokenizer, load_tools(cfg.tools), pick_parser(cfg.parser, tokenizer.chat_template),
+                      limits, cfg.check_drift)
+
+
 def sampling_params(cfg: RolloutConfig) -> SamplingParams:
     return SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                           max_new_tokens=cfg.max_new_tokens, stop=tuple(cfg.stop))
 
 
 __all__ = ["Completion", "Engine", "SamplingParams", "build_engine", "rollout_dtype", "rollout_engine",
-           "sampling_params"]
+           "sampling_params", "turn_driver"]

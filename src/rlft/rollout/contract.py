@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, Sequence
 
 FinishReason = Literal["stop", "length"]
@@ -13,10 +13,34 @@ FinishReason = Literal["stop", "length"]
 class Completion:
     prompt_ids: list[int]
     completion_ids: list[int]  # the sampled ids, used for training as they are (never re-encoded)
-    text: str  # decoded completion without special tokens
+    text: str  # decoded completion without special tokens (an episode: its last assistant turn)
     logprobs: list[float]  # per completion token, under the (temperature-scaled) sampling distribution
     finish_reason: FinishReason  # 'stop': end-of-turn / EOS / stop string; 'length': max_new_tokens
     prompt_index: int  # which prompt of the request this completion answers
+    # Per completion token: 1 = sampled by the policy (trained on), 0 = inserted text (a tool's or
+    # an environment's observation: attended to, never a target). None: every token was sampled.
+    loss_mask: list[int] | None = None
+    episode: "Episode | None" = None  # a multi-turn rollout's record (rollout/turns.py); None: one turn
+
+    @property
+    def mask(self) -> list[int]:
+        return [1] * len(self.completion_ids) if self.loss_mask is None else self.loss_mask
+
+
+@dataclass
+class Episode:
+    """What happened in one multi-turn episode, for rewards and metrics."""
+
+    messages: list[dict[str, Any]]  # the whole transcript: the prompt conversation, then assistant / tool turns
+    turns: int = 0  # assistant turns sampled
+    tool_calls: int = 0  # calls parsed (well-formed or not)
+    errors: dict[str, int] = field(default_factory=dict)  # failed calls by kind (see rollout/tools.py)
+    tool_tokens: int = 0  # inserted (loss-masked) tokens
+    budget_truncated: bool = False  # an observation would have overflowed agent.max_total_tokens
+    max_turns_reached: bool = False  # the last allowed turn still asked for tools
+    tool_latency_s: list[float] = field(default_factory=list)  # per call
+    max_tokens: int = 0  # the episode's token budget (what `max_new_tokens` is to one turn)
+    retokenize_drift: int | None = None  # trained tokens after the first one a re-render differs at (None: unchecked)
 
 
 @dataclass(frozen=True)
@@ -32,8 +56,10 @@ class SamplingParams:
 class Engine(Protocol):
     """What the training loop and the evaluations use of an engine."""
 
-    def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[Completion]:
-        """n completions per prompt, grouped by prompt: [p0 c0..c(n-1), p1 c0.., ...]."""
+    def generate(self, prompts: Sequence[list[int]], params: SamplingParams, first_prompt: int = 0) -> list[Completion]:
+        """n completions per prompt, grouped by prompt: [p0 c0..c(n-1), p1 c0.., ...]. `first_prompt`:
+        the global index of prompts[0] (a rank's share of a step's prompts), which names the
+        sampling streams, so completion k of a prompt is the same wherever it is generated."""
         ...
 
     def sync_weights(self) -> None:

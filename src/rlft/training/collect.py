@@ -19,6 +19,7 @@ from rlft.data.order import PromptSampler
 from rlft.data.prompts import PromptExample
 from rlft.rewards.scoring import RewardScorer, Scores, score_completions
 from rlft.rollout.contract import Completion, Engine, SamplingParams
+from rlft.rollout.turns import TurnDriver, episode_metrics
 from rlft.training.distributed import SINGLE, World
 
 
@@ -37,10 +38,10 @@ class Rollout:
 
 def collect_rollout(engine: Engine, sampler: PromptSampler, prompts: list[PromptExample], scorer: RewardScorer,
                     params: SamplingParams, prompts_per_step: int, dynamic_sampling: bool = False,
-                    max_rounds: int = 3, world: World = SINGLE) -> Rollout:
+                    max_rounds: int = 3, world: World = SINGLE, driver: TurnDriver | None = None) -> Rollout:
     """A step's scored completions. In a distributed run every rank draws the same global prompts
     and generates its own share of them (group ids stay global: a prompt's G completions live on
-    one rank)."""
+    one rank). With a turn `driver` each completion is a whole multi-turn episode."""
     t_gen = t_score = 0.0
     kept: list[tuple[PromptExample, Completion, int]] = []  # (example, completion, group id)
     kept_scores: list[Scores] = []
@@ -53,8 +54,12 @@ def collect_rollout(engine: Engine, sampler: PromptSampler, prompts: list[Prompt
         first, stop = world.share(len(drawn))
         chosen = drawn[first:stop]
         start = time.perf_counter()
-        completions = engine.generate([e.prompt_ids for e in chosen], params, first_prompt=next_group + first) \
-            if chosen else []
+        if not chosen:
+            completions = []
+        elif driver is not None:
+            completions = driver.run([e.messages for e in chosen], params, first_prompt=next_group + first)
+        else:
+            completions = engine.generate([e.prompt_ids for e in chosen], params, first_prompt=next_group + first)
         t_gen += time.perf_counter() - start
         examples = [chosen[c.prompt_index] for c in completions]
         start = time.perf_counter()
@@ -74,7 +79,7 @@ def collect_rollout(engine: Engine, sampler: PromptSampler, prompts: list[Prompt
         if world.sum([len({g for *_, g in kept})])[0] >= prompts_per_step:
             break
     scores = _concat(kept_scores)
-    metrics = {"time/generate": t_gen, "time/score": t_score}
+    metrics = {"time/generate": t_gen, "time/score": t_score, **episode_metrics([k[1] for k in kept])}
     if dynamic_sampling:
         dropped, kept_groups, sampled_sum, sampled_n = world.sum(
             [dropped, len({g for *_, g in kept}), sum(sampled), len(sampled)])

@@ -87,8 +87,7 @@ class _ValueTargets:
         return loss, m
 
     def loss_mask(self, batch: RolloutBatch) -> Tensor:
-        mask = batch.completion_mask
-        return mask & ~batch.truncated[:, None] if self.settings.mask_truncated else mask
+        return batch.loss_mask(self.settings.mask_truncated)
 
     def minibatches(self, batch: RolloutBatch, generator: torch.Generator, world: World):
         """(micro-batch row sets, global token count) per minibatch, epochs x minibatches like the

@@ -24,7 +24,7 @@ from rlft.data.order import PromptSampler
 from rlft.data.prompts import PromptExample, make_prompt_encoder
 from rlft.data.readers import read_rows
 from rlft.data.validate import check_rows
-from rlft.errors import ConfigError, RewardError, TrainingHalted
+from rlft.errors import ConfigError, DataError, RewardError, TrainingHalted
 from rlft.eval.generation import evaluate_prompts
 from rlft.eval.suites import prepare_suites
 from rlft.models.loading import Reference, disable_dropout, load_policy, resolve_device
@@ -32,7 +32,7 @@ from rlft.monitor.checks import infra_error_message
 from rlft.rewards.calls import ScoringInterrupted
 from rlft.monitor.stats import MetricAccumulator
 from rlft.rewards.scoring import RewardScorer, Scores
-from rlft.rollout import rollout_dtype, rollout_engine, sampling_params
+from rlft.rollout import rollout_dtype, rollout_engine, sampling_params, turn_driver
 from rlft.rollout.batch import RolloutBatch
 from rlft.training.collect import Rollout, collect_rollout
 from rlft.training.critic import Critic, build_critic
@@ -92,6 +92,13 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
         raise ConfigError(f"eval.correct_component {correct!r} (per-source accuracy) is not a reward component; "
                           f"choose one of {components}")
     engine = rollout_engine(config.rollout, policy.unsharded(), config.seed, sample_dtype)  # whole weights
+    driver = None
+    if config.agent is not None:
+        if world.active:  # untested: episodes per rank and their sampling streams across ranks
+            raise ConfigError("agent: multi-turn rollouts run in one process so far; launch without torchrun "
+                              "(or drop the agent section)")
+        driver = turn_driver(config.agent, engine, policy.tokenizer)
+        _check_prompts_with_tools(driver, prompts, d.max_prompt_length)
     kl_ctl = make_kl_controller(a.kl_coef, a.kl_target, a.kl_adapt_factor, a.kl_controller, a.kl_horizon)
     sampler = PromptSampler(len(train_rows), config.seed, d.shuffle, order=train_rows.order)
     update_gen = torch.Generator().manual_seed(config.seed)
@@ -115,7 +122,7 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
             step_start = _StepStart({"sampler": sampler, "engine": engine})
             try:
                 rollout = collect_rollout(engine, sampler, prompts, scorer, params, config.rollout.prompts_per_step,
-                                          a.dynamic_sampling, a.dynamic_sampling_max_rounds, world)
+                                          a.dynamic_sampling, a.dynamic_sampling_max_rounds, world, driver)
             except ScoringInterrupted:  # Ctrl-C while rewards ran: finish() saves the last completed step
                 step_start.restore()
                 break
@@ -227,6 +234,17 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
     return metrics
 
 
+def _check_prompts_with_tools(driver: Any, prompts: list[PromptExample], limit: int) -> None:
+    """The tool descriptions lengthen every prompt: check them against data.max_prompt_length as
+    the episodes will see them, before the first step."""
+    for e in prompts:
+        n = len(driver.encoder.prompt_ids(e.messages))
+        if n > limit:
+            raise DataError(f"{e.where}: with the agent's tool descriptions the prompt is {n} tokens, longer than "
+                            f"data.max_prompt_length ({limit}); raise data.max_prompt_length or shorten the "
+                            "tools' docstrings")
+
+
 def _rollout_metrics(session: TrainingSession, rollout: Rollout, beta: float) -> dict[str, float]:
     """The step's reward and length metrics over every rank's completions."""
     world = session.world
@@ -334,6 +352,10 @@ def _log_samples(session: TrainingSession, rollout: Rollout, num_samples: int, e
         records.append({"step": session.step, "where": e.where, "prompt": e.prompt_text, "completion": c.text,
                         "reward": rollout.rewards[i], "finish_reason": c.finish_reason,
                         "components": {k: v[i] for k, v in rollout.scores.components.items()}})
+        episode = getattr(c, "episode", None)
+        if episode is not None:  # a multi-turn episode: its assistant and tool turns, in order
+            records[-1].update(transcript=episode.messages[len(e.messages):], turns=episode.turns,
+                               tool_calls=episode.tool_calls)
     session.log_samples(records)
     if records:
         r = records[0]

@@ -102,16 +102,23 @@ class ExtraLoss(Protocol):
 
 
 def token_rewards(rewards: list[float | None], batch: RolloutBatch, kl_penalty: Tensor | None) -> Tensor:
-    """`[N, T]`: each sequence reward on its last valid token, minus a per-token KL penalty when
+    """`[N, T]`: each sequence reward on its last policy token, minus a per-token KL penalty when
     the KL sits in the reward (Ouyang et al., arXiv:2203.02155). Unverifiable samples get 0 (their
     advantage is 0)."""
     out = torch.zeros(batch.completion_mask.shape, dtype=torch.float32, device=batch.input_ids.device)
-    last = batch.completion_mask.sum(-1) - 1  # [N]
+    last = last_true_index(batch.completion_mask)  # [N]
     values = torch.tensor([r if r is not None else 0.0 for r in rewards], device=out.device)
     out[torch.arange(batch.size, device=out.device), last.clamp(min=0)] = values
     if kl_penalty is not None:
         out = out - kl_penalty.where(batch.completion_mask, 0.0)
     return out
+
+
+def last_true_index(mask: Tensor) -> Tensor:
+    """Column of each row's last True  # [N]; -1 for an empty row. Not `mask.sum() - 1`: a
+    multi-turn mask has holes (tool tokens) and its last policy token is further right."""
+    columns = torch.arange(1, mask.shape[-1] + 1, device=mask.device)  # [T]
+    return (mask.long() * columns).amax(-1) - 1
 
 
 def lockstep_chunks(world: World, n_rows: int, size: int | None) -> list[Tensor | None]:
@@ -164,7 +171,7 @@ def policy_update(trainer: Trainer, batch: RolloutBatch, advantages: Tensor, ref
     model = trainer.policy.model
     world = getattr(trainer, "world", SINGLE)
     model.train()
-    loss_mask = batch.completion_mask & ~batch.truncated[:, None] if s.mask_truncated else batch.completion_mask
+    loss_mask = batch.loss_mask(s.mask_truncated)
     use_kl = s.kl_in_loss and beta > 0 and ref_logprobs is not None
     # Rows whose advantage is 0 everywhere contribute exactly nothing unless a KL, entropy or extra
     # term acts on them: leave them out of the forward pass (the normalisers stay global).

@@ -1,0 +1,283 @@
+"""Multi-turn episodes with tools, token-exact: the turn driver between an engine and the collector.
+
+    prompt -> [sample a turn -> parse calls -> run tools -> insert the observation]* -> Completion
+
+Token-in, token-out: the sequence trained on is the prompt, then each turn's sampled ids as the
+engine returned them, then each observation's ids, encoded once. History is never decoded and
+re-encoded (the drift behind trl#5224 and verl#3720), so what the loss sees is what was sampled.
+The Completion's `loss_mask` is 1 on sampled ids and 0 on observation ids; RolloutBatch makes it
+the loss mask of every loss and metric, and sampling log-probs of observation ids are 0.
+
+An observation is what the chat template puts between the assistant's end-of-turn and the next
+assistant header, tool messages included: the tail of one render after a marker standing for the
+assistant's text. When the turn ended on the template's end-of-turn token, that token is already
+in the sampled ids and is left out of the tail; otherwise (EOS, a stop string) the tail brings it.
+
+Limits: `max_turns` assistant turns; `max_total_tokens`, one budget for everything after the
+prompt (sampled and inserted tokens): a turn is cut where the budget ends (a prefix of a sample is
+a sample; the episode ends as 'length'), and an observation that would fill it ends the episode as
+truncated, never inserted in part. Deviation from a per-episode engine call: the turns of all live
+episodes are sampled in one engine call per round (n=1 each), so a later turn's sampling stream is
+named by its position among the live episodes of that round.
+
+The re-render check (`check_drift`) measures what a decode-and-re-encode pipeline would have
+trained on instead: the finished transcript through the template, tokenized, against the trained
+sequence; `agent/retokenize_drift` is the mean number of trained tokens from the first
+difference on (a sampled text the tokenizer would split differently shows up there).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from rlft.errors import ConfigError
+from rlft.models.template import Messages, encode_text, end_of_turn_ids
+from rlft.rollout.contract import Completion, Engine, Episode, SamplingParams
+from rlft.rollout.tool_calls import Parser
+from rlft.rollout.tools import ERROR_KINDS, PendingCall, Tool, ToolResult, start_call
+
+_MARKER = "\x00RLFT_ASSISTANT\x00"
+_PROBE: Messages = [{"role": "user", "content": "What is 2 + 3?"}]
+
+TOOLS_BLOCK = (
+    "You can call tools. Their JSON schemas:\n<tools>\n{schemas}\n</tools>\n"
+    "To call a tool, write <tool_call>{{\"name\": <tool name>, \"arguments\": <JSON object>}}</tool_call> "
+    "and end your turn; each result comes back in a tool message. When you are done, answer without a call.")
+
+
+@dataclass(frozen=True)
+class AgentLimits:
+    max_turns: int = 4
+    max_total_tokens: int = 1024
+    max_tool_output_tokens: int = 256
+    tool_timeout_s: float = 10.0
+    max_calls_per_turn: int = 4
+
+
+class ObservationEncoder:
+    """Prompts and observations through the chat template, tools presented the template's way (its
+    `tools=` argument) or, for a template without tool support, as a system block (TOOLS_BLOCK)."""
+
+    def __init__(self, tokenizer: Any, schemas: list[dict[str, Any]]):
+        self.tokenizer, self.schemas = tokenizer, schemas
+        plain = self._apply(_PROBE, True, None)
+        self.native_tools = bool(schemas) and self._apply(_PROBE, True, schemas) != plain
+        self.eot_ids = set(end_of_turn_ids(tokenizer))
+        self._check_template()
+
+    def _apply(self, messages: Messages, generation: bool, tools: list[dict] | None) -> str:
+        kwargs = {"tools": tools} if tools else {}
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation, **kwargs)
+
+    def with_tools(self, messages: Messages) -> Messages:
+        if not self.schemas or self.native_tools:
+            return list(messages)
+        block = TOOLS_BLOCK.format(schemas="\n".join(json.dumps(s) for s in self.schemas))
+        if messages and messages[0]["role"] == "system":
+            return [{**messages[0], "content": messages[0]["content"] + "\n\n" + block}, *messages[1:]]
+        return [{"role": "system", "content": block}, *messages]
+
+    def render(self, messages: Messages, generation: bool) -> str:
+        return self._apply(self.with_tools(messages), generation, self.schemas if self.native_tools else None)
+
+    def prompt_ids(self, messages: Messages) -> list[int]:
+        return encode_text(self.tokenizer, self.render(messages, True))
+
+    def observation_ids(self, prompt: Messages, tool_messages: Messages, last_sampled: int | None) -> list[int]:
+        text = self.render([*prompt, {"role": "assistant", "content": _MARKER}, *tool_messages], True)
+        tail = text[text.index(_MARKER) + len(_MARKER):]
+        ids = encode_text(self.tokenizer, tail)
+        if last_sampled is not None and last_sampled in self.eot_ids and ids and ids[0] == last_sampled:
+            ids = ids[1:]  # the model sampled the end-of-turn token itself
+        return ids
+
+    def _check_template(self) -> None:
+        """Refuse at start-up a template this driver cannot insert observations with."""
+        prompt = self.render(_PROBE, True)
+        probe_tool = [{"role": "tool", "name": "probe", "content": "RLFT_TOOL_OUTPUT"}]
+        full = self.render([*_PROBE, {"role": "assistant", "content": _MARKER}, *probe_tool], True)
+        fix = ("Fix: set model.chat_template to a template that renders assistant turns and 'tool' messages "
+               "(e.g. ChatML), or use the model's own instruct template.")
+        if _MARKER not in full or "RLFT_TOOL_OUTPUT" not in full.split(_MARKER, 1)[1]:
+            raise ConfigError("agent: the chat template drops the assistant's text or 'tool' messages from a "
+                              f"conversation, so tool results cannot be shown to the model.\n{fix}")
+        if not full.split(_MARKER, 1)[0].startswith(prompt):  # the prompt as sampled from must stay as it was
+            raise ConfigError("agent: the chat template renders a conversation's earlier part differently once a "
+                              f"later turn is added (not prefix-preserving), so turns cannot be appended.\n{fix}")
+
+
+@dataclass
+class _Live:
+    """One episode being built."""
+
+    index: int  # episode number in the request
+    prompt_index: int
+    prompt: Messages
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)  # everything after the prompt  # [L]
+    logprobs: list[float] = field(default_factory=list)  # [L], 0 on inserted ids
+    mask: list[int] = field(default_factory=list)  # [L], 1 on sampled ids
+    record: Episode | None = None
+    last_text: str = ""
+    finish: str = "stop"
+
+
+class TurnDriver:
+    """Samples whole episodes: `run(prompts, params)` returns params.n Completions per prompt,
+    grouped by prompt like `Engine.generate`, each one whole episode."""
+
+    def __init__(self, engine: Engine, tokenizer: Any, tools: list[Tool], parser: Parser,
+                 limits: AgentLimits = AgentLimits(), check_drift: bool = True):
+        self.engine, self.tokenizer, self.parser, self.limits = engine, tokenizer, parser, limits
+        self.check_drift = check_drift
+        self.tools = {t.name: t for t in tools}
+        self.encoder = ObservationEncoder(tokenizer, [t.schema for t in tools])
+
+    def run(self, prompts: Sequence[Messages], params: SamplingParams, first_prompt: int = 0) -> list[Completion]:
+        lim = self.limits
+        prompt_ids = [self.encoder.prompt_ids(m) for m in prompts]
+        live = [_Live(i * params.n + k, i, list(m), ids, record=Episode(list(m), max_tokens=lim.max_total_tokens))
+                for i, (m, ids) in enumerate(zip(prompts, prompt_ids)) for k in range(params.n)]
+        episodes, turn = list(live), 0
+        while live:
+            turn += 1
+            budget = max(lim.max_total_tokens - len(e.ids) for e in live)
+            turn_params = SamplingParams(n=params.n if turn == 1 else 1, temperature=params.temperature,
+                                         top_p=params.top_p, top_k=params.top_k, stop=params.stop,
+                                         max_new_tokens=min(params.max_new_tokens, budget))
+            contexts = prompt_ids if turn == 1 else [e.prompt_ids + e.ids for e in live]
+            outs = self.engine.generate(contexts, turn_params,
+                                        first_prompt=first_prompt if turn == 1 else first_prompt * params.n)
+            wanting: list[tuple[_Live, list]] = []
+            for ep, out in zip(live, outs):
+                calls = self._take_turn(ep, out, turn, params.stop)
+                if calls:
+                    wanting.append((ep, calls))
+            live = self._insert_observations(wanting)
+        if self.check_drift:
+            for ep in episodes:
+                ep.record.retokenize_drift = self._drift(ep)
+        return [self._completion(e) for e in episodes]
+
+    def _drift(self, ep: _Live) -> int:
+        """Trained tokens from the first one where the re-rendered transcript's tokens differ."""
+        # an assistant turn's calls are in its text already; a template would render tool_calls twice
+        messages = [{k: v for k, v in m.items() if k != "tool_calls"} for m in ep.record.messages]
+        rendered = encode_text(self.tokenizer, self.encoder.render(messages, False))
+        trained = ep.prompt_ids + ep.ids
+        same = 0
+        for a, b in zip(rendered, trained):
+            if a != b:
+                break
+            same += 1
+        return len(trained) - same
+
+    def _take_turn(self, ep: _Live, out: Completion, turn: int, stop: tuple[str, ...] = ()) -> list:
+        """Append the sampled turn; the calls it makes when the episode goes on, else []."""
+        room = self.limits.max_total_tokens - len(ep.ids)
+        ids, logprobs, text, finish = out.completion_ids, out.logprobs, out.text, out.finish_reason
+        if len(ids) > room:  # cut where the budget ends: the first `room` tokens are a sample as well
+            ids, logprobs, finish = ids[:room], logprobs[:room], "length"
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        ep.ids += ids
+        ep.logprobs += logprobs
+        ep.mask += [1] * len(ids)
+        ep.last_text, ep.finish = text, finish
+        ep.record.turns = turn
+        # parsed from every sampled token: an engine's text stops before a stop string, the ids do not
+        full = self.tokenizer.decode(ids, skip_special_tokens=True) if stop else text
+        calls = self.parser(full) if finish == "stop" else []
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        valid = [c for c in calls if c.error is None]
+        if valid:
+            message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                     for c in valid]
+        ep.record.messages.append(message)
+        if calls and turn >= self.limits.max_turns:
+            ep.record.max_turns_reached = True
+            return []
+        return calls
+
+    def _insert_observations(self, wanting: list[tuple[_Live, list]]) -> list[_Live]:
+        """Run every call of this round (concurrently, each under its time limit), then append each
+        episode's observation; the episodes that go on."""
+        lim = self.limits
+        pending: list[list[tuple[str, PendingCall]]] = []
+        for ep, calls in wanting:
+            started = []
+            for i, call in enumerate(calls):
+                if i >= lim.max_calls_per_turn:
+                    result = ToolResult(f"Error: at most {lim.max_calls_per_turn} tool calls per turn",
+                                        "too_many_calls")
+                elif call.error is not None:
+                    result = ToolResult("Error: the tool call is not valid JSON of the form "
+                                        '{"name": ..., "arguments": {...}}', call.error)
+                else:
+                    started.append((call.name, start_call(self.tools, call.name, call.arguments)))
+                    continue
+                started.append((call.name or "?", PendingCall(result)))
+            pending.append(started)
+        going_on = []
+        for (ep, calls), started in zip(wanting, pending):
+            messages = []
+            for name, call in started:
+                result = call.result(lim.tool_timeout_s)
+                ep.record.tool_calls += 1
+                if result.error is not None:
+                    ep.record.errors[result.error] = ep.record.errors.get(result.error, 0) + 1
+                if call.immediate is None:
+                    ep.record.tool_latency_s.append(result.seconds)
+                messages.append({"role": "tool", "name": name, "content": self._cut(result.text)})
+            obs = self.encoder.observation_ids(ep.prompt, messages, ep.ids[-1] if ep.ids else None)
+            if len(ep.ids) + len(obs) >= lim.max_total_tokens:  # no room for the observation and a reply
+                ep.record.budget_truncated, ep.finish = True, "length"  # the transcript ends as the model saw it
+                continue
+            ep.record.messages += messages
+            ep.ids += obs
+            ep.logprobs += [0.0] * len(obs)
+            ep.mask += [0] * len(obs)
+            ep.record.tool_tokens += len(obs)
+            going_on.append(ep)
+        return going_on
+
+    def _cut(self, text: str) -> str:
+        """Tool output beyond max_tool_output_tokens is cut there, with a marker the model can read."""
+        ids = encode_text(self.tokenizer, text)
+        limit = self.limits.max_tool_output_tokens
+        if len(ids) <= limit:
+            return text
+        return self.tokenizer.decode(ids[:limit]) + f"\n[output cut: {len(ids) - limit} more tokens]"
+
+    @staticmethod
+    def _completion(ep: _Live) -> Completion:
+        return Completion(prompt_ids=ep.prompt_ids, completion_ids=ep.ids, text=ep.last_text, logprobs=ep.logprobs,
+                          finish_reason=ep.finish, prompt_index=ep.prompt_index, loss_mask=ep.mask, episode=ep.record)
+
+
+def episode_metrics(completions: Sequence[Completion]) -> dict[str, float]:
+    """A step's agent metrics: turns and calls per episode, tool errors by kind (counts, and the
+    share of calls that failed), the share of inserted tokens, budget truncations, tool latency."""
+    records = [c.episode for c in completions if c.episode is not None]
+    if not records:
+        return {}
+    n = len(records)
+    calls = sum(r.tool_calls for r in records)
+    errors = {kind: sum(r.errors.get(kind, 0) for r in records) for kind in ERROR_KINDS}
+    latency = [s for r in records for s in r.tool_latency_s]
+    tokens = sum(len(c.completion_ids) for c in completions if c.episode is not None)
+    out = {"agent/turns_mean": sum(r.turns for r in records) / n,
+           "agent/tool_calls_mean": calls / n,
+           "agent/tool_error_rate": sum(errors.values()) / calls if calls else 0.0,
+           "agent/tool_token_frac": sum(r.tool_tokens for r in records) / max(tokens, 1),
+           "agent/budget_truncated": float(sum(r.budget_truncated for r in records)),
+           "agent/max_turns_reached": float(sum(r.max_turns_reached for r in records)),
+           "agent/tool_latency_mean_s": sum(latency) / len(latency) if latency else 0.0,
+           "agent/tool_latency_max_s": max(latency, default=0.0)}
+    drift = [r.retokenize_drift for r in records if r.retokenize_drift is not None]
+    if drift:
+        out["agent/retokenize_drift"] = sum(drift) / len(drift)
+        out["agent/retokenize_drift_frac"] = sum(d > 0 for d in drift) / len(drift)
+    out.update({f"agent/errors/{kind}": float(count) for kind, count in errors.items()})
+    return out
