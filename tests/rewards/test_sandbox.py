@@ -185,7 +185,9 @@ def test_throughput_of_simple_correct_programs(capsys):
         print(f"\nsandbox throughput: {rate:.1f} programs/s ({len(ADD_TESTS['cases'])} cases each, "
               f"{os.cpu_count()} CPUs, 8 threads)")
     assert all(v.status == "ok" for v in verdicts)
-    assert rate > 1.0
+    # the printed rate is the measurement; the bound only catches a sandbox that takes tens of
+    # seconds per program (a shared 2-core machine, ~7 jobs beside this one, gave ~3/s)
+    assert rate > 0.2
 
 
 
