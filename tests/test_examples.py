@@ -2,9 +2,11 @@
 
 The files are found by glob, so a new example is covered without touching this file. They run
 the way examples/README.md says (from a folder holding `examples/` and the `runs/tiny-model`
-that `rlft tiny-model runs/tiny-model` makes), with the schedule cut to 2 steps and
-generation to a few short samples. A model path that does not exist there (an SFT export the
-README makes in an earlier step, or SmolLM2's imported folder) is pointed at the tiny model."""
+that `rlft tiny-model runs/tiny-model` makes), with the schedule cut to 2 steps, batches and
+generation to a few short samples, and the offline methods training on their held-out file (the
+2,000-row training files are read and checked on their own). A model path that does not exist
+there (an SFT export the README makes in an earlier step, or SmolLM2's imported folder) is
+pointed at the tiny model."""
 
 from __future__ import annotations
 
@@ -21,20 +23,14 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 ONLINE = {"grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "ppo"}
 
 
-# Training files already read in full by an earlier example of this module. Tokenizing 2,000 rows
-# takes 4-9 s here, so each shipped training file is read in full once (by the first example that
-# uses it); later examples train on their own held-out file (same format, 200 rows) instead.
-READ_IN_FULL: set[str] = set()
-
-
 def shortening(raw: dict, cwd: Path) -> list[str]:
     """The overrides that make one training config run in a few seconds."""
     data = raw.get("data") or {}
-    if isinstance(data.get("train"), str) and data["train"] in READ_IN_FULL and data.get("eval"):
-        out = [f"data.train={data['eval']}"]
-    else:
-        READ_IN_FULL.add(data.get("train"))
-        out = []
+    out = []
+    if raw.get("method") not in ONLINE and isinstance(data.get("train"), str) and data.get("eval"):
+        # tokenizing 2,000 conversations or pairs takes 4-9 s here: offline examples train on their
+        # held-out file (same format, 200 rows); the training files are read and checked below
+        out.append(f"data.train={data['eval']}")
     out += ["training.max_steps=2", "training.num_threads=1", "logging.progress=false",
            "eval.max_examples=4", "eval.max_new_tokens=8"]
     if raw.get("method") not in ONLINE:
@@ -42,7 +38,7 @@ def shortening(raw: dict, cwd: Path) -> list[str]:
     else:
         out += ["rollout.group_size=2", "rollout.prompts_per_step=2", "rollout.max_new_tokens=8"]
     if raw.get("method") == "dpo":
-        out.append("dpo.precompute_ref=false")  # else all 2,000 pairs are scored before step 1
+        out.append("dpo.precompute_ref=false")  # else every pair is scored with the reference first
     path = (raw.get("model") or {}).get("path")
     if path is not None and not (cwd / path).exists():
         out.append("model.path=runs/tiny-model")
@@ -86,6 +82,23 @@ def workdir(tmp_path_factory, qwen_path):
 def test_the_examples_are_found():
     names = {p.name for p in EXAMPLES.glob("*.yaml")}
     assert {"sft.yaml", "grpo.yaml", "dpo.yaml", "pipeline.yaml"} <= names
+
+
+@pytest.mark.parametrize("example", sorted(p for p in EXAMPLES.glob("*.yaml") if "stages" not in p.read_text()),
+                         ids=lambda p: p.name)
+def test_the_shipped_data_files_hold_what_their_method_reads(example):
+    """Every row of every data file an example names parses and carries the fields its method
+    needs (the runs above tokenize the held-out files only; this reads the training files too)."""
+    from rlft.data.readers import read_rows
+
+    raw = yaml.safe_load(example.read_text())
+    need = {"sft": ("prompt", "completion"), "dpo": ("prompt", "chosen", "rejected"),
+            "reward_model": ("prompt", "chosen", "rejected")}.get(raw["method"], ("prompt", "answer"))
+    for key in ("train", "eval"):
+        rows = read_rows(str(EXAMPLES.parent / raw["data"][key]))
+        assert len(rows) >= 200, (example.name, key)
+        bad = [r.where for r in rows if r.data is None or any(not r.data.get(f) for f in need)]
+        assert not bad, (example.name, key, bad[:3])
 
 
 @pytest.mark.parametrize("example", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
