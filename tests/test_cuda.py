@@ -29,11 +29,11 @@ def rows_of(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def online_config(root: Path, model: Path, name: str, device: str, **sections) -> dict:
+def online_config(root: Path, model_path: Path, name: str, device: str, **sections) -> dict:
     (root / "rewards.py").write_text(DIGITS_REWARD)
     prompts = write_jsonl(root / "prompts.jsonl", [{"prompt": f"Count to {i}."} for i in range(8)])
     cfg = {"method": "grpo", "output_dir": str(root / name), "seed": 0,
-           "model": {"path": str(model), "device": device}, "data": {"train": str(prompts)},
+           "model": {"path": str(model_path), "device": device}, "data": {"train": str(prompts)},
            "training": {"learning_rate": 1e-3, "max_steps": 2, "num_threads": 1, "lr_scheduler": "constant"},
            "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 8},
            "rewards": [{"fn": f"{root / 'rewards.py'}:digits"}], "logging": {"progress": False}}
@@ -150,18 +150,13 @@ def test_bf16_mixed_on_cuda_computes_in_bf16_with_fp32_master_weights(tmp_path, 
 # ---------------------------------------------------------------------------------------------
 # NCCL: two ranks
 
-@pytest.mark.cuda
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs for NCCL (found "
-                                                          f"{torch.cuda.device_count()})")
-def test_two_nccl_ranks_train_what_one_gpu_trains(tmp_path_factory):
-    """The CPU suite's gloo comparison (test_distributed.py) on NCCL: SFT on two GPUs ends where
-    one GPU ends, to float32 summation-order noise."""
+def nccl_configs(root: Path) -> list[Path]:
+    """SFT on CUDA for one GPU and for two ranks (test_distributed.py's settings, fp32)."""
     import yaml
 
     from rlft.models.tiny import build_tiny_model
-    from test_distributed import assert_close_weights, config, in_process, launch
+    from test_distributed import config
 
-    root = tmp_path_factory.mktemp("nccl")
     build_tiny_model(root / "model", seed=0)
     (root / "sft.jsonl").write_text("".join(
         json.dumps({"prompt": f"What is {i} + {i % 7}?", "completion": f"The answer is {i + i % 7}."}) + "\n"
@@ -173,6 +168,19 @@ def test_two_nccl_ranks_train_what_one_gpu_trains(tmp_path_factory):
         cfg["model"]["device"] = "cuda"
         path.write_text(yaml.safe_dump(cfg))
         paths.append(path)
+    return paths
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs for NCCL (found "
+                                                          f"{torch.cuda.device_count()})")
+def test_two_nccl_ranks_train_what_one_gpu_trains(tmp_path_factory):
+    """The CPU suite's gloo comparison (test_distributed.py) on NCCL: SFT on two GPUs ends where
+    one GPU ends, to float32 summation-order noise."""
+    from test_distributed import assert_close_weights, in_process, launch
+
+    root = tmp_path_factory.mktemp("nccl")
+    paths = nccl_configs(root)
     in_process(paths[0], replay=False)
     result = launch(paths[1], replay=False, ranks=2)
     assert result.returncode == 0, result.stderr[-3000:]  # rlft picks NCCL for CUDA ranks
@@ -269,3 +277,25 @@ def test_planner_matches_cuda_max_memory_allocated(tmp_path, qwen_path):
     plan = cuda_sft_plan(qwen_path, 16, len(examples[0].input_ids), sum(examples[0].target_mask))
     error = planner_error(plan.total, measured)
     assert abs(error) < TOLERANCE, f"planned {plan.total / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB"
+
+
+def test_the_cuda_tests_configs_are_valid_here(tmp_path, qwen_path, sft_data):
+    """The configs the CUDA tests train load without error on any machine (a mistyped field would
+    otherwise surface only on a lent GPU)."""
+    from rlft.config import load_config
+
+    configs = [
+        online_config(tmp_path, qwen_path, "qlora", "cuda", model={"quantization": "4bit"},
+                      lora={"enabled": True, "r": 8, "alpha": 16, "target_modules": "all-linear"},
+                      training={"max_steps": 1}),
+        online_config(tmp_path, qwen_path, "vllm-sleep", "cuda",
+                      rollout={"engine": "vllm", "vllm": {"sleep": True, "gpu_memory_utilization": 0.3}}),
+        make_config(qwen_path, sft_data["train"], tmp_path / "fp16", model={"device": "cuda"},
+                    training={"precision": "fp16-mixed", "max_steps": 4}),
+        make_config(qwen_path, sft_data["train"], tmp_path / "bf16", model={"device": "cuda"},
+                    training={"precision": "bf16-mixed", "max_steps": 3, "learning_rate": 3e-3}),
+    ]
+    configs += nccl_configs(tmp_path / "nccl")
+    for cfg in configs:
+        loaded = load_config(cfg)
+        assert loaded.model.device == "cuda"
