@@ -5,13 +5,17 @@ picks on a bf16 GPU), with step times and peak memory.
 
 Runs SFT, GRPO (full, LoRA, vLLM engine), DAPO (LoRA + checkpointing), RLOO, REINFORCE++, PPO
 (separate critic and shared value head), DPO and reward-model training for a few steps each on the
-~27M-parameter test model, and times rlft's rollout engine against `model.generate` on the same
-batch. Writes OUT_DIR/gpu_check.json. Needs a CUDA GPU.
+~27M-parameter test model, times rlft's rollout engine against `model.generate` on the same batch,
+then runs the test suite's CUDA-only tests (`pytest -m cuda`: QLoRA with bitsandbytes, fp16-mixed's
+loss scaler, bf16-mixed, NCCL on 2+ GPUs, vLLM sleep mode, the planner against
+torch.cuda.max_memory_allocated). Writes OUT_DIR/gpu_check.json and OUT_DIR/pytest-cuda.txt.
+Needs a CUDA GPU.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 import traceback
@@ -134,8 +138,21 @@ def main() -> None:
     stage(results, "dpo", lambda: preference("dpo", "dpo"))
     stage(results, "reward_model", lambda: preference("rm", "reward_model"))
     stage(results, "generation", generation)
+    stage(results, "pytest_cuda", lambda: cuda_tests(out))
     (out / "gpu_check.json").write_text(json.dumps(results, indent=2))
     print("ALL OK" if all(v.get("ok", True) for v in results.values() if isinstance(v, dict)) else "FAILURES")
+
+
+def cuda_tests(out: Path) -> dict:
+    """tests/ marked `cuda` (skipped on machines without a GPU), in a fresh process; raises when
+    one fails, so the stage records the failure."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "cuda",
+                           "tests"], cwd=REPO, capture_output=True, text=True, timeout=3600)
+    (out / "pytest-cuda.txt").write_text(done.stdout + done.stderr)
+    summary = (done.stdout.strip().splitlines() or ["no output"])[-1]
+    if done.returncode != 0:
+        raise RuntimeError(f"pytest -m cuda: {summary}\n{done.stdout[-2500:]}")
+    return {"summary": summary}
 
 
 if __name__ == "__main__":

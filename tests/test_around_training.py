@@ -94,14 +94,35 @@ def test_online_mixing_draws_the_stated_proportions_and_logs_each_source(root):
 
 
 def test_sft_reads_a_list_of_sources(root, tmp_path):
+    """Each source contributes the rows it was given, from its own file. (Before: only
+    `status == completed` was checked, which a run that read one source twice also passes.)
+    rows 12 + 4 = 16 per epoch, batch 4 -> 4 steps are exactly one epoch."""
+    from rlft.config import load_config
+    from rlft.training.offline import make_objective, run_offline
+
     other = write_jsonl(tmp_path / "other.jsonl", arithmetic_rows(8, seed=9))
-    cfg = make_config(root / "model", root / "sft.jsonl", tmp_path / "run",
-                      data={"train": [{"path": str(root / "sft.jsonl"), "rows": 8}, {"path": str(other), "rows": 8}]},
-                      training={"batch_size": 4, "max_steps": 3})
-    summary = train(cfg)
-    assert summary["status"] == "completed"
+    config = load_config(make_config(
+        root / "model", root / "sft.jsonl", tmp_path / "run",
+        data={"train": [{"path": str(root / "sft.jsonl"), "rows": 12}, {"path": str(other), "rows": 4}]},
+        training={"batch_size": 4, "max_steps": 4, "precision": "fp32"}))
+    objective = make_objective(config)
+    trained_on = []  # every example a training loss saw, in order
+    loss = objective.loss
+
+    def spy(model, examples, norm):
+        trained_on.extend(examples)
+        return loss(model, examples, norm)
+
+    objective.loss = spy
+    summary = run_offline(config, objective)
+    assert summary["status"] == "completed" and summary["step"] == 4
+    assert Counter(ex.source for ex in trained_on) == {"sft": 12, "other": 4}
+    for ex in trained_on:  # the tag names the file the row was read from (`where` is FILE:LINE)
+        assert ex.where.rsplit(":", 1)[0] == str(root / "sft.jsonl" if ex.source == "sft" else other)
+    # within one epoch no source repeats a row before it is used up
+    assert len({ex.where for ex in trained_on}) == 16
     rows = _metrics(tmp_path / "run")
-    assert len(rows) == 3 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    assert len(rows) == 4 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
 
 
 def test_sft_mix_moves_a_policy_the_rewards_leave_alone(root):

@@ -262,9 +262,10 @@ def test_identical_models_tie_everywhere(qwen_path, files):
 
 
 def test_reward_model_judge_scores_each_answer(qwen_path, mute_path, files, tmp_path):
-    from transformers import AutoModelForSequenceClassification
-
-    from rlft.rewards.reward_model import reward_model
+    """Each answer's judge score equals the reward model's forward run by hand on the rendered
+    conversation. (Before: the oracle was `rlft.rewards.reward_model`, the function the judge
+    wraps, so a rendering or pooling bug in it would agree with itself.)"""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     root, prompts = files
     rm_dir = tmp_path / "rm"
@@ -274,7 +275,20 @@ def test_reward_model_judge_scores_each_answer(qwen_path, mute_path, files, tmp_
         shutil.copy(qwen_path / f, rm_dir / f)
     c = compare_models(qwen_path, mute_path, str(prompts), CFG, build_judge([], judge_model=str(rm_dir), device="cpu"),
                        device="cpu")
-    score = reward_model(str(rm_dir))  # the oracle: the same reward model called directly
+    tokenizer = AutoTokenizer.from_pretrained(rm_dir)
+    rm = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
+
+    def score(prompt, answer):
+        """The oracle, by hand: one unpadded sequence (the chat template's rendering of the user
+        turn and the answer), the backbone's hidden state at its last token, times the score head."""
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt},
+                                              {"role": "assistant", "content": answer}], tokenize=False)
+        ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+        with torch.no_grad():
+            hidden = rm.model(input_ids=ids).last_hidden_state[0, -1]  # (H,)
+            return float(hidden @ rm.score.weight[0])
+
+    assert any(r["target"] for r in c.records)  # non-empty answers against the mute model's ""
     for r in c.records:
         t, b = score(r["prompt"], r["target"]), score(r["prompt"], r["baseline"])
         assert r["target_reward"] == pytest.approx(t, abs=1e-5) and r["baseline_reward"] == pytest.approx(b, abs=1e-5)

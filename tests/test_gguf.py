@@ -27,9 +27,11 @@ def _to_gguf_qk(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, rows, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model_dir: Path, out: Path, pre: str = "smollm") -> Path:
+def write_gguf(model_dir: Path, out: Path, pre: str = "smollm", quant: str | None = None) -> Path:
     """An F32 GGUF of a tiny Llama folder: hyper-parameters, byte-level BPE tokenizer (tokens,
-    types, merges, special ids, chat template) and every tensor under llama.cpp's names."""
+    types, merges, special ids, chat template) and every tensor under llama.cpp's names. `quant`
+    (e.g. "Q8_0", "Q4_1") stores every matrix quantized with the `gguf` package, the vectors
+    (norms) in F32, as llama.cpp's quantized files do."""
     import gguf
     from transformers import AutoConfig, AutoTokenizer
     from safetensors.torch import load_file
@@ -48,7 +50,8 @@ def write_gguf(model_dir: Path, out: Path, pre: str = "smollm") -> Path:
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
     writer.add_vocab_size(config.vocab_size)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    qtype = getattr(gguf.GGMLQuantizationType, quant) if quant else None
+    writer.add_file_type(getattr(gguf.LlamaFileType, f"MOSTLY_{quant}") if quant else gguf.LlamaFileType.ALL_F32)
 
     vocab = sorted(tok_json["model"]["vocab"].items(), key=lambda kv: kv[1])
     special = {t["content"] for t in tok_json["added_tokens"] if t["special"]}
@@ -72,7 +75,11 @@ def write_gguf(model_dir: Path, out: Path, pre: str = "smollm") -> Path:
             w = _to_gguf_qk(w, config.num_attention_heads)
         elif "k_proj" in name:
             w = _to_gguf_qk(w, config.num_key_value_heads)
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), np.ascontiguousarray(w))
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if qtype is not None and w.ndim == 2:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(w), qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(w))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -120,6 +127,57 @@ def test_import_keeps_logits_tokens_and_template(llama_path, imported):
     assert im_end in end_of_turn_ids(tok_b)
     assert im_end in json.loads((imported / "generation_config.json").read_text())["eos_token_id"]
     assert "quantization_config" not in json.loads((imported / "config.json").read_text())
+
+
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_1"])
+def test_quantized_gguf_imports_the_dequantized_weights(tmp_path, llama_path, quant):
+    """A GGUF whose matrices are quantized (Q8_0; Q4_1, the format of the SmolLM2 file the real
+    demo ships) imports as exactly the values the `gguf` package dequantizes, and its logits stay
+    near the original model's, within what the quantization moved the weights. (Before: F32 only.)"""
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlft.models.gguf import import_gguf
+
+    qtype = getattr(gguf.GGMLQuantizationType, quant)
+    config = AutoConfig.from_pretrained(llama_path)
+    file = write_gguf(llama_path, tmp_path / f"tiny-llama.{quant}.gguf", quant=quant)
+    imported = load_file(str(import_gguf(file, tmp_path / "model") / "model.safetensors"))
+    original = load_file(str(llama_path / "model.safetensors"))
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    expected = {}
+    for name, w in original.items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        w = w.float().numpy()
+        head = heads.get(next((k for k in heads if k in name), ""), None)
+        if w.ndim == 2:  # the oracle: quantize + dequantize with the gguf package, in llama.cpp's row order
+            stored = _to_gguf_qk(w, head) if head else w
+            w = gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(stored), qtype), qtype)
+            if head:  # undo the pair interleaving: (i, half) back to (half, i)
+                rows = w.shape[0] // head // 2
+                w = w.reshape(head, rows, 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+        expected[name] = torch.from_numpy(np.ascontiguousarray(w))
+    for name, w in expected.items():
+        torch.testing.assert_close(imported[name], w, rtol=0, atol=0, msg=name)
+    moved = max(float((expected[k] - original[k].float()).abs().max()) for k in expected)
+    assert moved > 0  # the weights really were quantized
+
+    model = AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32).eval()
+    ids = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids).logits  # [2, 24, V]
+        model.load_state_dict(imported, strict=False)
+        after = model(ids).logits
+    # to first order each matrix's relative error e moves the logits by ~e, independently of the
+    # others, so n quantized matrices move them by ~sqrt(n) e (n = 29 here: 7 per layer x 4 + the
+    # tied embedding; measured ~6 e for both types); we allow twice that
+    weight_err = (sum(float((expected[k] - original[k].float()).norm() ** 2) for k in expected)
+                  / sum(float(original[k].float().norm() ** 2) for k in expected)) ** 0.5
+    logit_err = float((after - before).norm() / before.norm())
+    n = sum(1 for w in expected.values() if w.ndim == 2)
+    assert 0 < logit_err < 2 * n ** 0.5 * weight_err, (logit_err, weight_err, n)
 
 
 def test_smollm_digit_rule_restored(tiny_gguf):

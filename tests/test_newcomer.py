@@ -190,15 +190,30 @@ def test_eval_flags_get_the_config_fields_checks(tmp_path, monkeypatch, capsys, 
 
 # -- rows too large to parse -------------------------------------------------------------------
 
-def test_an_oversized_line_is_rejected_before_parsing(tmp_path):
+def _count_parsed_sizes(monkeypatch) -> list[int]:
+    """The length of every string json.loads parses from now on (the data reader's calls among them)."""
+    from rlft.data import readers
+
+    sizes: list[int] = []
+    loads = readers.json.loads
+
+    def counted(text, *args, **kwargs):
+        sizes.append(len(text))
+        return loads(text, *args, **kwargs)
+
+    monkeypatch.setattr(readers.json, "loads", counted)
+    return sizes
+
+
+def test_an_oversized_line_is_rejected_before_parsing(tmp_path, monkeypatch):
     from rlft.data.readers import read_rows
 
     big = json.dumps({"prompt": "x" * (9 << 20), "answer": "1"})  # 9 MiB > the 8 MiB default
     path = tmp_path / "data.jsonl"
     path.write_text(json.dumps({"prompt": "hi", "answer": "1"}) + "\n" + big + "\n")
-    start = time.monotonic()
+    parsed = _count_parsed_sizes(monkeypatch)
     rows = read_rows(str(path))
-    assert time.monotonic() - start < 2
+    assert max(parsed) < 1000  # counted, not timed: the 9 MiB line never reached the JSON parser
     assert rows[0].data is not None
     assert rows[1].data is None and rows[1].where == f"{path}:2"
     assert rows[1].error == "row larger than data.max_row_bytes (8,388,608 bytes; raise it if rows this large are intended)"
@@ -215,7 +230,7 @@ def test_an_oversized_row_in_a_json_list_is_rejected_too(tmp_path):
     assert rows[0].data == {"prompt": "hi"} and rows[1].data is None and "data.max_row_bytes" in rows[1].error
 
 
-def test_an_oversized_row_stops_training_with_the_row_report(tmp_path, qwen_path):
+def test_an_oversized_row_stops_training_with_the_row_report(tmp_path, qwen_path, monkeypatch):
     from rlft.api import train
 
     # SFT at the default limit (8 MiB)
@@ -224,10 +239,11 @@ def test_an_oversized_row_stops_training_with_the_row_report(tmp_path, qwen_path
     rows[2] = json.dumps({"messages": [{"role": "user", "content": "z" * (9 << 20)},
                                        {"role": "assistant", "content": "ok"}]})
     Path(cfg["data"]["train"]).write_text("\n".join(rows) + "\n")
-    start = time.monotonic()
+    parsed = _count_parsed_sizes(monkeypatch)
     with pytest.raises(DataError) as info:
         train(cfg)
-    assert time.monotonic() - start < 30  # tokenizing the row would take ~20 s and GBs on its own
+    # counted, not timed: the 9 MiB row was never parsed (so never tokenized, ~20 s and GBs)
+    assert parsed and max(parsed) < (1 << 20)
     assert f"{cfg['data']['train']}:3" in str(info.value)
     assert "1 x row larger than data.max_row_bytes (8,388,608 bytes" in str(info.value)
     # online prompts with the setting lowered

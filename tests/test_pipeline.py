@@ -4,6 +4,7 @@ one runs, completed stages skipped on a re-run unless their config changed."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,51 @@ def test_stages_run_in_order_from_each_others_exports_and_rerun_skips_them(files
     stderr = assert_clean_user_error(run_main(monkeypatch, capsys, "pipeline", str(pipe)))
     assert "stage grpo" in stderr and "completed with a different config (training.learning_rate)" in stderr
     assert {n: (out / n / "metrics.jsonl").read_text() for n in ("sft", "grpo")} == logged
+
+
+def test_a_dpo_stage_starts_from_the_sft_export_and_learns_the_preferences(tmp_path, qwen_path, sft_data):
+    """sft -> dpo through `rlft pipeline`: the DPO stage loads the SFT stage's export (its saved
+    model.path, and its trained weights stay next to that export, far from the base model's), and
+    its preference metrics move: at step 1 policy = reference, so every pair ties (margin 0);
+    after training the held-out implicit-reward margin and accuracy are positive."""
+    from safetensors.torch import load_file
+
+    from rlft.demo.arithmetic import write_preference_data
+
+    pairs = write_preference_data(tmp_path / "pairs", train_rows=64, heldout=32)
+    sft = make_config(qwen_path, sft_data["train"], tmp_path / "ignored",
+                      training={"learning_rate": 3e-3, "batch_size": 16, "max_steps": 4, "precision": "fp32"})
+    dpo = {"method": "dpo", "output_dir": str(tmp_path / "ignored"), "seed": 0, "model": {"path": "from-the-pipeline"},
+           "data": {"train": str(pairs["train"]), "eval": str(pairs["heldout"]), "max_length": 128},
+           "dpo": {"beta": 0.1},
+           "training": {"learning_rate": 5e-4, "batch_size": 16, "max_steps": 4, "num_threads": 1,
+                        "lr_scheduler": "constant", "precision": "fp32"},
+           "logging": {"progress": False}}
+    out = tmp_path / "pipe"
+    pipe = _write(tmp_path / "pipe.yaml", {"output_dir": str(out), "stages": [
+        {"name": "sft", "config": str(_write(tmp_path / "sft.yaml", sft))},
+        {"name": "dpo", "config": str(_write(tmp_path / "dpo.yaml", dpo))}]})
+    results = run_pipeline(pipe)
+    assert [results[n]["status"] for n in ("sft", "dpo")] == ["completed", "completed"]
+    assert yaml.safe_load((out / "dpo" / "config.yaml").read_text())["model"]["path"] == str(out / "sft" / "final")
+
+    base = load_file(str(qwen_path / "model.safetensors"))
+    after_sft = load_file(str(out / "sft" / "final" / "model.safetensors"))
+    after_dpo = load_file(str(out / "dpo" / "final" / "model.safetensors"))
+
+    def distance(a, b):
+        return sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5
+
+    # Adam moves each weight by ~lr per step: 4 SFT steps at 3e-3 vs 4 DPO steps at 5e-4
+    assert 0 < distance(after_dpo, after_sft) < distance(after_dpo, base) / 2
+
+    rows = [json.loads(line) for line in (out / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "rewards/margin" in r]
+    assert len(train_rows) == 4
+    assert train_rows[0]["rewards/margin"] == pytest.approx(0.0, abs=1e-6)  # policy = reference at step 1
+    assert train_rows[-1]["rewards/margin"] > 0.0
+    # held out: every pair ties at the start (loss ln 2 = 0.6931, margin 0, accuracy 0); after
+    # 4 steps the chosen answers are preferred
+    ev = results["dpo"]
+    assert ev["eval/loss"] < math.log(2) - 0.005 and ev["eval/rewards/margin"] > 0.01
+    assert ev["eval/rewards/accuracy"] > 0.5

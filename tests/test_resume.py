@@ -201,6 +201,32 @@ def test_kills_inside_checkpoint_saves_epoch_boundary_and_corruption(root):
     assert_same_run(reference, run)
 
 
+def test_a_torn_manifest_in_the_newest_checkpoint_resumes_from_the_one_before(root, capsys, caplog):
+    """The quick torn-checkpoint case in make test (the kill-inside-a-save chain is `slow`): a run
+    stopped after step 3, its newest checkpoint's manifest.json cut in half as a crash mid-write
+    would leave it; continuing skips that checkpoint with the reason, resumes from step 2, and
+    ends bitwise identical to a run left alone. Constant lr, so stopping at 3 and continuing to 4
+    follows the same schedule as 4 steps straight."""
+    cfg = sft_config(root, "torn-ref")
+    cfg["training"].update({"lr_scheduler": "constant", "max_steps": 4, "precision": "fp32"})
+    train(cfg)
+    cfg["output_dir"] = str(root / "torn")
+    train(cfg, ["training.max_steps=3"])
+    ckpts = root / "torn" / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-00000002", "step-00000003"]
+    manifest = ckpts / "step-00000003" / "manifest.json"
+    text = manifest.read_text()
+    manifest.write_text(text[: len(text) // 2])
+    capsys.readouterr()
+    with caplog.at_level("WARNING"):
+        summary = train(cfg)
+    assert summary["status"] == "completed" and summary["step"] == 4
+    warned = caplog.text + capsys.readouterr().err
+    assert "skipping checkpoint" in warned and "step-00000003" in warned and "unreadable manifest" in warned
+    assert "resumed from" in warned and "step-00000002" in warned
+    assert_same_run(root / "torn-ref", root / "torn")
+
+
 def test_resume_with_nothing_left_to_train_says_so_and_fails(root, capsys, monkeypatch):
     from rlft.cli import main
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import csv
+import json
+
 import typer
 from typer.testing import CliRunner
 
+from monitor.conftest import online_metrics
 from rlft.cli_monitor import register
 
 
@@ -27,12 +31,35 @@ def test_report_defaults_to_the_first_run_and_prints_the_path(make_online_run, t
 
 
 def test_compare_prints_and_writes(make_online_run, tmp_path):
-    a, b = make_online_run("a"), make_online_run("b", training__learning_rate=3e-5)
+    """The CSV `rlft compare` writes holds one row per run with that run's final metrics, read back
+    from the runs' own metrics.jsonl (before: only that the file existed)."""
+    a = make_online_run("a")
+    b = make_online_run("b", training__learning_rate=3e-5, metrics=online_metrics(reward_slope=0.03),
+                        summary={"status": "interrupted", "step": 30, "eval/accuracy": 0.7})
     result = CliRunner().invoke(_app(), ["compare", str(a), str(b), "--csv", str(tmp_path / "l.csv"),
                                          "--markdown", str(tmp_path / "l.md")])
     assert result.exit_code == 0, result.output
-    assert "baseline" in result.output and (tmp_path / "l.csv").exists()
+    assert "baseline" in result.output
     assert "training.learning_rate=3e-05" in (tmp_path / "l.md").read_text()
+    with (tmp_path / "l.csv").open() as f:
+        table = list(csv.DictReader(f))
+    assert [r["run"] for r in table] == ["a", "b"]
+    assert [r["baseline"] for r in table] == ["True", "False"]
+    assert [r["status"] for r in table] == ["completed", "interrupted"]
+    assert table[0]["changes"] == "" and table[1]["changes"] == "training.learning_rate=3e-05"
+    for row, run in zip(table, (a, b)):
+        last = logged_rows(run)[-1]
+        assert int(row["steps"]) == last["step"] == 30
+        for key in ("reward/mean", "kl", "entropy", "completion/length_mean"):
+            assert float(row[key]) == last[key], key
+    # held-out: the last logged eval for a, summary.json's own value for b
+    assert float(table[0]["eval/accuracy"]) == [r for r in logged_rows(a) if "eval/accuracy" in r][-1]["eval/accuracy"]
+    assert float(table[1]["eval/accuracy"]) == 0.7
+    assert float(table[1]["reward/mean"]) != float(table[0]["reward/mean"])  # the runs' own numbers
+
+
+def logged_rows(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_a_bad_run_directory_is_an_rlft_error(tmp_path):

@@ -109,3 +109,34 @@ def test_a_partial_last_metrics_line_is_tolerated_but_damage_is_reported(make_on
     (run / "metrics.jsonl").write_text("\n".join([lines[0], "garbage"] + lines[1:]) + "\n")
     with pytest.raises(RlftError, match=r"metrics.jsonl:2: not valid JSON"):
         write_report([run], tmp_path / "r.html")
+
+
+def test_a_real_short_run_gets_every_plot_its_metrics_and_samples(tmp_path, qwen_path):
+    """The report of a real 3-step GRPO run on the tiny model (the other tests here use run
+    folders written by hand): one plot per series in its metrics.jsonl drawing exactly the logged
+    points, its header, and its saved completions, escaped."""
+    from conftest import DIGITS_REWARD, write_jsonl
+    from report_checks import assert_report_shows_runs
+    from rlft.api import train
+
+    (tmp_path / "rewards.py").write_text(DIGITS_REWARD)
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"Count to {i}."} for i in range(8)])
+    run = tmp_path / "grpo-real"
+    summary = train({"method": "grpo", "output_dir": str(run), "seed": 0,
+                     "model": {"path": str(qwen_path), "device": "cpu"}, "data": {"train": str(prompts)},
+                     "training": {"learning_rate": 1e-3, "max_steps": 3, "num_threads": 1},
+                     "rollout": {"group_size": 2, "prompts_per_step": 2, "max_new_tokens": 8},
+                     "rewards": [{"fn": f"{tmp_path / 'rewards.py'}:digits"}],
+                     "logging": {"progress": False, "sample_every": 1}})
+    assert summary["status"] == "completed"
+    out = write_report([run], tmp_path / "report.html")
+    plotted = assert_report_shows_runs(out, [run])
+    assert {"reward/mean", "reward/digits", "kl", "entropy", "loss", "completion/length_mean"} <= set(plotted)
+    page = out.read_text()
+    assert "grpo" in page and str(qwen_path) in page and "completed" in page
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in samples} == {1, 2, 3}
+    for s in samples:  # first, middle and last step: all three here
+        assert html.escape(s["completion"]) in page
+    for step in (1, 2, 3):
+        assert f"<h3>step {step}</h3>" in page

@@ -110,7 +110,9 @@ def test_a_hanging_call_is_unverifiable_counted_and_warned_about(user):
     s = scorer(user, "slow_on_b", timeout_s=0.3, max_consecutive_timeouts=3)
     start = time.monotonic()
     scores = s.score(["p", "p"], ["a", "b"], [{}, {}], WHERES)
-    assert time.monotonic() - start < 2.0
+    # 'b' sleeps an hour: returning at all means the 0.3 s limit fired. The bound is generous on
+    # purpose (a shared 2-core machine stalls processes for seconds); the counts below are the test
+    assert time.monotonic() - start < 60.0
     assert scores.total == [1.0, None]
     metrics, lines = s.take_report()
     assert metrics == {"reward/timeouts": 1.0, "reward/errors": 0.0}
@@ -137,7 +139,9 @@ def test_waiting_for_a_hung_reward_stops_at_once_when_asked(user):
     start = time.monotonic()
     with pytest.raises(ScoringInterrupted):
         s.score(["p"] * 4, ["a"] * 4, [{}] * 4)
-    assert time.monotonic() - start < 1.5
+    # without the stop request the wait would last timeout_s = 600 s; 60 s leaves a loaded
+    # 2-core machine room and still tells the two apart
+    assert time.monotonic() - start < 60.0
 
 
 def test_a_process_with_a_hung_reward_still_exits(user, tmp_path):

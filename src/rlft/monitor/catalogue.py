@@ -53,6 +53,7 @@ def metric_names(config: Any, components: list[str]) -> tuple[set[str], tuple[st
     """(names a run of `config` logs, prefixes under which further names appear) -- the prefixes
     cover the parts of dict-valued rewards (`reward/<component>/<part>`), known only at run time."""
     names, prefixes = set(_STEP), []
+    names.update(("loss_scale",) if config.training.precision == "fp16-mixed" else ())  # GradScaler's scale
     has_eval = bool(config.data.eval)
     prefixes += [f"eval/{suite.name}/" for suite in config.eval.suites]  # accuracy, pass@k, maj@k, ...
     if config.is_online:

@@ -431,6 +431,8 @@ class TrainingSession:
         """Record one step: metrics.jsonl (every `log_every` steps and the last), the logging
         backends, the health monitor (every step), a checkpoint when the step is a new best."""
         record = {"step": self.step, **metrics}
+        if self.scaler is not None:  # fp16-mixed: the GradScaler's scale after this step's update
+            record["loss_scale"] = float(self.scaler.get_scale())
         self.last_metrics = record
         if self.step % self.log_every == 0 or self.step == self.total_steps:
             self.run.log_metrics(record)
