@@ -45,7 +45,7 @@ test: $(STAMP) $(BROWSER_STAMP)
 # 1 and 2 ranks, SIGKILL + resume (minutes even where bf16 is slow). `RLFT_CPU_BF16=1|0 make test`
 # instead runs the whole suite as a machine with (or without) bf16 units would.
 test-bf16: $(STAMP)
-	$(BIN)/python -m pytest -q -m bf16 tests/test_bf16.py
+	$(BIN)/python -m pytest -q -m bf16
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
