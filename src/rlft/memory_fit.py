@@ -30,10 +30,14 @@ from rlft.errors import RlftError
 
 GiB = 2**30
 # Under RLIMIT_AS every mapping counts, not only live tensors: libraries mapped after this check,
-# thread stacks, glibc's malloc arenas and the heap it does not give back. Measured on CPU (~28M
-# model GRPO, one thread, benchmarks/memory_fit_demo.py): the peak address space exceeded the
-# address space at this check plus the plan by 0.82-1.06 GiB; half a GiB more is kept for margin.
+# thread stacks, glibc's malloc arenas, the heap it does not give back, oneDNN's bf16 scratch. Measured
+# on CPU: ~28M-model GRPO in fp32 (benchmarks/memory_fit_demo.py) peaked 0.82-1.06 GiB above the
+# address space at this check plus the plan; the bench's large-full-defaults in bf16-mixed under a
+# 4 GiB limit died with 1.5 GiB reserved (plan 1.60 GiB, 0.62 GiB mapped at the check: > 1.78 GiB
+# above) and completed with checkpointing chosen at 2.5 GiB. So: 1.5 GiB in fp32, 2.5 GiB when the
+# CPU computes in bf16.
 VIRTUAL_RESERVE = 3 * GiB // 2
+VIRTUAL_RESERVE_BF16 = 5 * GiB // 2
 COST_MICRO, COST_CHECKPOINT, COST_ROLLOUT_SPLIT = 0.05, 0.33, 0.5
 
 
@@ -75,12 +79,22 @@ def _virtual_size() -> int:
     return 0
 
 
-def address_space_left() -> int | None:
-    """What an RLIMIT_AS soft limit leaves for the run (None: no limit)."""
+def address_space_left(reserve: int = VIRTUAL_RESERVE) -> int | None:
+    """What an RLIMIT_AS soft limit leaves for the run, `reserve` kept for mappings (None: no limit)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft == resource.RLIM_INFINITY:
         return None
-    return max(soft - _virtual_size() - VIRTUAL_RESERVE, 0)
+    return max(soft - _virtual_size() - reserve, 0)
+
+
+def _reserve(config: Config, device: Any) -> int:
+    from rlft.models.precision import resolve_precision
+
+    try:
+        bf16 = resolve_precision(config.training.precision, config.model.dtype, device).name in ("bf16-mixed", "bf16")
+    except RlftError:  # reported when the run starts
+        bf16 = False
+    return VIRTUAL_RESERVE_BF16 if bf16 else VIRTUAL_RESERVE
 
 
 def run_budget(config: Config, device: Any, local_ranks: int = 1) -> Budget | None:
@@ -98,10 +112,11 @@ def run_budget(config: Config, device: Any, local_ranks: int = 1) -> Budget | No
                       CUDA_CONTEXT)
     if device.type != "cpu":
         return None
-    available, left = _meminfo_available(), address_space_left()
+    reserve = _reserve(config, device)
+    available, left = _meminfo_available(), address_space_left(reserve)
     if left is not None and (available is None or left < available // local_ranks):
         return Budget(f"the address-space limit (RLIMIT_AS; {left / GiB:.1f} GiB left after "
-                      f"{VIRTUAL_RESERVE / GiB:g} GiB reserved for mappings)", left)
+                      f"{reserve / GiB:g} GiB reserved for mappings)", left)
     if available is None:
         return None
     if local_ranks > 1:
