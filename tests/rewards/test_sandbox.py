@@ -4,6 +4,7 @@ import os
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -222,6 +223,14 @@ FACTS = {  # name: the expression printed inside the sandbox
 }
 
 
+def _tmp_tops() -> set[str]:
+    """First components under /tmp of the directories the sandbox binds back for the interpreter."""
+    from rlft.rewards.code.harness import _interpreter_paths
+
+    return {Path(p).relative_to("/tmp").parts[0] for p in _interpreter_paths()
+            if p.startswith("/tmp/") and len(Path(p).parts) > 2}
+
+
 def test_each_reported_layer_is_in_force_inside_the_program(tmp_path):
     """Each layer `isolation_layers()` reports is checked from inside a sandboxed program: writes
     outside its directory fail, network sockets fail, the rlimits are the ones asked for, and
@@ -241,8 +250,10 @@ def test_each_reported_layer_is_in_force_inside_the_program(tmp_path):
         "write_etc": "blocked" if layers["uid"] or not root else None,
         # the host's /tmp (where tmp_path lives) is covered by a private tmpfs under a mount namespace
         "write_host_dir": "blocked" if layers["mountns"] else None,
-        # ... and the program's /tmp is that tmpfs, holding only its working directory
-        "tmp_entries": "['work']" if layers["mountns"] else None,
+        # ... and the program's /tmp is that tmpfs, holding only its working directory (and, when
+        # the interpreter or the checkout lives under /tmp, as in a CI clone there, the read-only
+        # binds of those directories)
+        "tmp_entries": str(sorted({"work"} | _tmp_tops())) if layers["mountns"] else None,
         "socket_inet": "blocked" if layers["seccomp"] else None,  # socket() itself fails, EACCES
         "socket_unix": "blocked" if layers["seccomp"] else None,
         "net_devices": "['lo']" if layers["netns"] else None,  # a new network namespace: loopback only
