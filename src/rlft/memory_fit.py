@@ -58,25 +58,24 @@ class Fit:
     record: dict[str, Any] = field(default_factory=dict)  # for summary.json
 
 
-def _meminfo_available() -> int | None:
+def _proc_bytes(path: str, key: str) -> int | None:
+    """A `key:  N kB` line of a /proc file, in bytes (None where there is no such file or line)."""
     try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
+        for line in open(path):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
 
 
+def _meminfo_available() -> int | None:
+    return _proc_bytes("/proc/meminfo", "MemAvailable")
+
+
 def _virtual_size() -> int:
     """This process's mapped address space now (VmSize), bytes."""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _proc_bytes("/proc/self/status", "VmSize") or 0
 
 
 def address_space_left(reserve: int = VIRTUAL_RESERVE) -> int | None:
@@ -231,15 +230,12 @@ def fit_memory(config: Config, world: Any, device: Any, local_ranks: int | None 
               "lengths": length_note}
     if verdict.fits:
         return Fit(config, record={**record, "fits": True, "changes": {}})
-    fitting = []
-    for option in _options(config, base):
-        total = plan_memory(model_cfg, option.setting).total
-        if Verdict("", budget.capacity, total, budget.context).fits:
-            fitting.append((option.cost, total, option))
+    planned = [(option, plan_memory(model_cfg, option.setting).total) for option in _options(config, base)]
+    fitting = [(option.cost, total, option) for option, total in planned
+               if Verdict("", budget.capacity, total, budget.context).fits]
     pinned = _pinned(config)
     if not fitting:
-        smallest = min(_options(config, base), key=lambda o: (plan_memory(model_cfg, o.setting).total, o.cost))
-        least = plan_memory(model_cfg, smallest.setting).total
+        smallest, least = min(planned, key=lambda p: (p[1], p[0].cost))
         fixes = [a for a in advise(model_cfg, smallest.setting, budget.capacity, budget.context) if a.fits][:3]
         lines = [f"memory plan: this run needs about {size_text(base_total)} at the peak, and still "
                  f"{size_text(least)} with the memory savers rlft may turn on"
