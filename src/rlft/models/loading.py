@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
