@@ -53,10 +53,12 @@ class ScriptedEngine:
                       for t in script]
         self.contexts: list[list[list[int]]] = []  # per call: the contexts it continued
         self.sampled: list[list[list[int]]] = []  # per call: the ids it returned per row
+        self.streams: list = []  # per call: the stream names it was given (None: a new request)
 
-    def generate(self, prompts, params: SamplingParams, first_prompt: int = 0) -> list[Completion]:
+    def generate(self, prompts, params: SamplingParams, first_prompt: int = 0, streams=None) -> list[Completion]:
         turn = len(self.contexts)
         self.contexts.append([list(p) for p in prompts])
+        self.streams.append(streams)
         out = []
         for i, p in enumerate(prompts):
             for _ in range(params.n):
@@ -88,6 +90,7 @@ def test_the_loss_sees_exactly_the_sampled_ids_and_the_observations_between_them
     obs = driver.encoder.observation_ids(PROMPT, [{"role": "tool", "name": "calculator", "content": "85"}], turn1[-1])
     assert policy.tokenizer.decode(obs) == "\n<|im_start|>tool\n85<|im_end|>\n<|im_start|>assistant\n"
     assert engine.contexts[1] == [ep.prompt_ids + turn1 + obs]  # turn 2 continued the very same tokens
+    assert engine.streams == [None, ["0/0/2"]]  # turn 2 of prompt 0's sample 0, in the request turn 1 made
     assert ep.completion_ids == turn1 + obs + turn2
     assert ep.loss_mask == [1] * len(turn1) + [0] * len(obs) + [1] * len(turn2)
     assert ep.episode.turns == 2 and ep.episode.tool_calls == 1 and ep.episode.errors == {}
@@ -382,16 +385,20 @@ def test_tools_go_through_the_template_when_it_supports_them(tiny):
 def test_prompts_are_checked_for_length_with_the_tool_descriptions(tiny):
     from rlft.data.prompts import prompt_example
     from rlft.errors import DataError
-    from rlft.training.online import _check_prompts_with_tools
+    from rlft.rollout import check_prompts_with_tools
 
     _, policy = tiny
     driver, _ = driver_for(policy, [])
     example = prompt_example(policy.tokenizer, "prompts.jsonl:3", PROMPT, {})
     with_tools = len(driver.encoder.prompt_ids(PROMPT))
     assert with_tools > len(example.prompt_ids) + 50  # the schema block
-    _check_prompts_with_tools(driver, [example], with_tools)
+    check_prompts_with_tools(driver, [example], with_tools, 64)
     with pytest.raises(DataError, match=r"prompts.jsonl:3: .* longer than data.max_prompt_length"):
-        _check_prompts_with_tools(driver, [example], with_tools - 1)
+        check_prompts_with_tools(driver, [example], with_tools - 1, 64)
+    driver.engine.max_model_len = with_tools + 64  # a vLLM engine: prompt and episode budget must fit
+    check_prompts_with_tools(driver, [example], with_tools, 64)
+    with pytest.raises(ConfigError, match=r"agent.max_total_tokens=65 exceeds the vLLM engine's max_model_len"):
+        check_prompts_with_tools(driver, [example], with_tools, 65)
 
 
 def test_bad_tools_and_unsupported_setups_are_clear_errors(tmp_path):
@@ -425,8 +432,6 @@ def test_bad_tools_and_unsupported_setups_are_clear_errors(tmp_path):
     assert load_config({**base, "method": "dr_grpo"}).algorithm.loss_constant == 1024
     with pytest.raises(ConfigError, match="online"):
         load_config({**base, "method": "sft"})
-    with pytest.raises(ConfigError, match="engine=hf"):
-        load_config({**base, "method": "grpo", "rollout": {"engine": "vllm"}})
 
 
 CALC_REWARD = '''

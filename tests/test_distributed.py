@@ -80,15 +80,16 @@ def launch(*configs: Path, replay: bool = True, ranks: int = 2, env: dict | None
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env={**ENV, **(env or {})})
 
 
-def in_process(cfg: Path, replay: bool = True) -> dict:
-    """A single-process run in this process (the reference the ranks are compared with)."""
+def in_process(cfg: Path, replay: bool = True, tool_calls: bool = False) -> dict:
+    """A single-process run in this process (the reference the ranks are compared with);
+    `tool_calls`: the replay engine writes calculator calls (dist_driver's `replay-calls`)."""
     import rlft.training.online as online
     from dist_driver import use_replay_engine
     from rlft.api import train
 
     real = online.rollout_engine
     if replay:
-        use_replay_engine()
+        use_replay_engine(tool_calls)
     try:
         return train(cfg)
     finally:

@@ -365,8 +365,9 @@ class CriticConfig(Section):
 
 
 class AgentConfig(Section):
-    """Multi-turn rollouts with tools (online methods, rollout.engine=hf, one process): each
-    assistant turn is sampled, its tool calls run, their results inserted (never trained on)."""
+    """Multi-turn rollouts with tools (online methods; either engine, any number of ranks): each
+    assistant turn is sampled, its tool calls run, their results inserted (never trained on).
+    Held-out evals, eval suites, `rlft eval` of the run and `rlft data screen` run episodes too."""
 
     tools: list[str] = Field(
         description="Tools the model may call: built-in 'calculator', or 'module:function' / 'file.py:function' "
@@ -644,9 +645,6 @@ class Config(Section):
             if not self.is_online:
                 raise ValueError(f"agent: tools are used in online rollouts; method {self.method} does not sample "
                                  "(drop the agent section, or use an online method such as grpo)")
-            if self.rollout.engine != "hf":
-                raise ValueError("agent: multi-turn rollouts run on rollout.engine=hf only so far (the vLLM engine is "
-                                 "not tested with them); set rollout.engine: hf")
         if self.eval.suites and self.method == "reward_model":
             raise ValueError("eval.suites evaluate a policy's generations; a reward model does not generate "
                              "(its held-out metrics come from data.eval)")

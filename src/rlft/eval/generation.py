@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 import re
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from rlft.config import EvalConfig
 from rlft.data.prompts import PromptExample
 from rlft.rewards.scoring import RewardScorer, score_completions
 from rlft.rollout.contract import Completion, Engine, SamplingParams
+from rlft.rollout.turns import TurnDriver, episode_metrics
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -32,6 +33,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 class EvalResult:
     metrics: dict[str, float]
     records: list[dict[str, Any]]
+    completions: list[Completion] = field(default_factory=list)  # one per record, in order
 
 
 def is_format_compliant(completion: Completion, pattern: re.Pattern | None) -> bool:
@@ -40,21 +42,29 @@ def is_format_compliant(completion: Completion, pattern: re.Pattern | None) -> b
     return pattern is None or pattern.fullmatch(completion.text.strip()) is not None
 
 
-def sample_answers(engine: Engine, examples: Sequence[PromptExample], cfg: EvalConfig,
-                   seed: int = 0) -> tuple[list[PromptExample], list[Completion]]:
+def sample_answers(engine: Engine, examples: Sequence[PromptExample], cfg: EvalConfig, seed: int = 0,
+                   driver: TurnDriver | None = None) -> tuple[list[PromptExample], list[Completion]]:
     """The first `cfg.max_examples` examples and `cfg.num_samples` completions of each, grouped by
-    prompt, sampled under the eval settings from `seed` (the engine's own generator is untouched)."""
+    prompt, sampled under the eval settings from `seed` (the engine's own generator is untouched).
+    With a turn `driver` (on `engine`) each completion is a whole episode, every turn sampled under
+    the eval settings and the agent's tools and limits."""
     examples = list(examples)[: cfg.max_examples] if cfg.max_examples else list(examples)
     params = SamplingParams(n=cfg.num_samples, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
     isolated = getattr(engine, "isolated_rng", None)  # keep the rollout generator untouched
     with isolated(seed) if isolated else nullcontext():
-        completions = engine.generate([e.prompt_ids for e in examples], params)
+        if driver is None:
+            completions = engine.generate([e.prompt_ids for e in examples], params)
+        else:
+            completions = driver.run([e.messages for e in examples], params)
     return examples, completions
 
 
 def evaluate_prompts(engine: Engine, examples: Sequence[PromptExample], cfg: EvalConfig,
-                     scorer: RewardScorer | None = None, prefix: str = "eval/", seed: int = 0) -> EvalResult:
-    examples, completions = sample_answers(engine, examples, cfg, seed)
+                     scorer: RewardScorer | None = None, prefix: str = "eval/", seed: int = 0,
+                     driver: TurnDriver | None = None) -> EvalResult:
+    """Generation metrics of `examples` (with a `driver`: of episodes, plus the agent's metrics
+    under `<prefix>agent/`: tool calls per episode, tool error rate, ...)."""
+    examples, completions = sample_answers(engine, examples, cfg, seed, driver)
     pattern = re.compile(cfg.format_regex) if cfg.format_regex else None
     fmt = [is_format_compliant(c, pattern) for c in completions]
     lengths = [len(c.completion_ids) for c in completions]
@@ -67,9 +77,14 @@ def evaluate_prompts(engine: Engine, examples: Sequence[PromptExample], cfg: Eva
     records = [{"where": examples[c.prompt_index].where, "prompt": examples[c.prompt_index].prompt_text,
                 "completion": c.text, "finish_reason": c.finish_reason, "format_ok": ok}
                for c, ok in zip(completions, fmt)]
+    if driver is not None:
+        m.update({prefix + key: value for key, value in episode_metrics(completions).items()})
+        for rec, c in zip(records, completions):  # the episode after its prompt: assistant and tool turns
+            rec.update(transcript=c.episode.messages[len(examples[c.prompt_index].messages):],
+                       turns=c.episode.turns, tool_calls=c.episode.tool_calls)
     if scorer is not None:
         _add_reward_metrics(m, records, examples, completions, scorer, cfg, prefix)
-    return EvalResult(m, records)
+    return EvalResult(m, records, completions)
 
 
 def _add_reward_metrics(m, records, examples, completions, scorer, cfg, prefix) -> None:

@@ -5,12 +5,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from rlft.config import AgentConfig, RolloutConfig, VllmSettings
-from rlft.errors import ConfigError
+from rlft.errors import ConfigError, DataError
 from rlft.models.precision import DTYPES
 from rlft.rollout.contract import Completion, Engine, SamplingParams
 
@@ -64,10 +64,29 @@ def turn_driver(cfg: AgentConfig, engine: Engine, tokenizer: Any) -> Any:
                       limits, cfg.check_drift)
 
 
+def check_prompts_with_tools(driver: Any, prompts: Sequence[Any], limit: int, budget: int) -> None:
+    """The tool descriptions lengthen every prompt: check them against data.max_prompt_length as
+    the episodes will see them, and prompt plus episode budget against a vLLM engine's length,
+    before the first step."""
+    longest = 0
+    for e in prompts:
+        n = len(driver.encoder.prompt_ids(e.messages))
+        if n > limit:
+            raise DataError(f"{e.where}: with the agent's tool descriptions the prompt is {n} tokens, longer than "
+                            f"data.max_prompt_length ({limit}); raise data.max_prompt_length or shorten the "
+                            "tools' docstrings")
+        longest = max(longest, n)
+    room = getattr(driver.engine, "max_model_len", None)  # a vLLM engine holds at most this many tokens
+    if room is not None and longest + budget > room:
+        raise ConfigError(f"agent: a prompt of {longest} tokens (tool descriptions included) plus the episode's "
+                          f"agent.max_total_tokens={budget} exceeds the vLLM engine's max_model_len={room}; raise "
+                          "rollout.vllm.max_model_len or lower agent.max_total_tokens")
+
+
 def sampling_params(cfg: RolloutConfig) -> SamplingParams:
     return SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                           max_new_tokens=cfg.max_new_tokens, stop=tuple(cfg.stop))
 
 
-__all__ = ["Completion", "Engine", "SamplingParams", "build_engine", "rollout_dtype", "rollout_engine",
-           "sampling_params", "turn_driver"]
+__all__ = ["Completion", "Engine", "SamplingParams", "build_engine", "check_prompts_with_tools", "rollout_dtype",
+           "rollout_engine", "sampling_params", "turn_driver"]

@@ -56,10 +56,19 @@ class SamplingParams:
 class Engine(Protocol):
     """What the training loop and the evaluations use of an engine."""
 
-    def generate(self, prompts: Sequence[list[int]], params: SamplingParams, first_prompt: int = 0) -> list[Completion]:
-        """n completions per prompt, grouped by prompt: [p0 c0..c(n-1), p1 c0.., ...]. `first_prompt`:
-        the global index of prompts[0] (a rank's share of a step's prompts), which names the
-        sampling streams, so completion k of a prompt is the same wherever it is generated."""
+    def generate(self, prompts: Sequence[list[int]], params: SamplingParams, first_prompt: int = 0,
+                 streams: Sequence[str] | None = None) -> list[Completion]:
+        """n completions per prompt, grouped by prompt: [p0 c0..c(n-1), p1 c0.., ...]. A prompt is
+        token ids, used as they are (a later turn's context: the episode so far, never re-encoded).
+        Each completion draws from its own sampling stream, so it is the same wherever it is generated:
+        - streams=None, a new request: completion k of prompts[i] draws from stream
+          (first_prompt + i) * n + k of a new call; `first_prompt` is the global index of prompts[0]
+          (a rank's share of a step's prompts);
+        - streams given (one name per prompt), a later turn of the last request's episodes:
+          completion k of prompts[i] draws from the stream named (streams[i], k) within the last
+          call, which this one continues (the call counter stays). A turn then depends on its
+          episode's name alone: not on the episodes sharing the call, how many turns they take,
+          or the rank that runs them; and a step costs one call however many turns it takes."""
         ...
 
     def sync_weights(self) -> None:

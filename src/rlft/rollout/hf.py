@@ -19,7 +19,7 @@ from rlft.models.precision import autocast_to
 from rlft.models.template import end_of_turn_ids
 from rlft.rollout.contract import Completion, SamplingParams
 from rlft.rollout.fast_decode import LeanDecoder
-from rlft.rollout.seeds import check_engine_state, stream_seed
+from rlft.rollout.seeds import check_engine_state, request_seeds
 from rlft.models.forward import position_ids_for
 
 
@@ -56,16 +56,16 @@ class HFEngine:
     def sync_weights(self) -> None:
         """Same module as the trainer: nothing to copy."""
 
-    def generate(self, prompts: Sequence[list[int]], params: SamplingParams, first_prompt: int = 0) -> list[Completion]:
-        """`first_prompt`: the global index of prompts[0] (a rank's share of a step's prompts), so
-        completion k of a prompt draws from the same stream wherever it is generated."""
-        call = self._calls
-        self._calls += 1
+    def generate(self, prompts: Sequence[list[int]], params: SamplingParams, first_prompt: int = 0,
+                 streams: Sequence[str] | None = None) -> list[Completion]:
+        """`first_prompt` and `streams` name the sampling streams (see `Engine.generate`): completion
+        k of a prompt draws from the same stream wherever it is generated."""
+        call = self._calls if streams is None else self._calls - 1  # a later turn continues the last call
+        self._calls += streams is None
         if not prompts:
             return []
         rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
-        seeds = [stream_seed(self._seed, self._stream, call, (first_prompt + i) * params.n + k)
-                 for i in range(len(prompts)) for k in range(params.n)]
+        seeds = request_seeds(self._seed, self._stream, call, len(prompts), params.n, first_prompt, streams)
         step = self.batch_size or len(rows)
         out: list[Completion] = []
         was_training = self.model.training

@@ -17,8 +17,9 @@ Limits: `max_turns` assistant turns; `max_total_tokens`, one budget for everythi
 prompt (sampled and inserted tokens): a turn is cut where the budget ends (a prefix of a sample is
 a sample; the episode ends as 'length'), and an observation that would fill it ends the episode as
 truncated, never inserted in part. Deviation from a per-episode engine call: the turns of all live
-episodes are sampled in one engine call per round (n=1 each), so a later turn's sampling stream is
-named by its position among the live episodes of that round.
+episodes are sampled in one engine call per round (n=1 each). A later turn's sampling stream is
+named by (global prompt index, sample, turn) within the request the first turn made, so an
+episode is the same whichever episodes share its rounds and whichever rank runs it.
 
 The re-render check (`check_drift`) measures what a decode-and-re-encode pipeline would have
 trained on instead: the finished transcript through the template, tokenized, against the trained
@@ -147,9 +148,11 @@ class TurnDriver:
             turn_params = SamplingParams(n=params.n if turn == 1 else 1, temperature=params.temperature,
                                          top_p=params.top_p, top_k=params.top_k, stop=params.stop,
                                          max_new_tokens=min(params.max_new_tokens, budget))
-            contexts = prompt_ids if turn == 1 else [e.prompt_ids + e.ids for e in live]
-            outs = self.engine.generate(contexts, turn_params,
-                                        first_prompt=first_prompt if turn == 1 else first_prompt * params.n)
+            if turn == 1:
+                outs = self.engine.generate(prompt_ids, turn_params, first_prompt=first_prompt)
+            else:
+                names = [f"{first_prompt + e.prompt_index}/{e.index - e.prompt_index * params.n}/{turn}" for e in live]
+                outs = self.engine.generate([e.prompt_ids + e.ids for e in live], turn_params, streams=names)
             wanting: list[tuple[_Live, list]] = []
             for ep, out in zip(live, outs):
                 calls = self._take_turn(ep, out, turn, params.stop)
@@ -256,28 +259,46 @@ class TurnDriver:
                           finish_reason=ep.finish, prompt_index=ep.prompt_index, loss_mask=ep.mask, episode=ep.record)
 
 
-def episode_metrics(completions: Sequence[Completion]) -> dict[str, float]:
-    """A step's agent metrics: turns and calls per episode, tool errors by kind (counts, and the
-    share of calls that failed), the share of inserted tokens, budget truncations, tool latency."""
+def episode_counts(completions: Sequence[Completion]) -> dict[str, float]:
+    """What `episode_metrics` divides: sums over the episodes (and the slowest call), which add up
+    over ranks (a key ending in 'max' takes the maximum, as MetricAccumulator.reduce does)."""
     records = [c.episode for c in completions if c.episode is not None]
-    if not records:
-        return {}
-    n = len(records)
-    calls = sum(r.tool_calls for r in records)
-    errors = {kind: sum(r.errors.get(kind, 0) for r in records) for kind in ERROR_KINDS}
     latency = [s for r in records for s in r.tool_latency_s]
-    tokens = sum(len(c.completion_ids) for c in completions if c.episode is not None)
-    out = {"agent/turns_mean": sum(r.turns for r in records) / n,
+    drift = [r.retokenize_drift for r in records if r.retokenize_drift is not None]
+    counts = {"episodes": float(len(records)), "turns": float(sum(r.turns for r in records)),
+              "tool_calls": float(sum(r.tool_calls for r in records)),
+              "tool_tokens": float(sum(r.tool_tokens for r in records)),
+              "tokens": float(sum(len(c.completion_ids) for c in completions if c.episode is not None)),
+              "budget_truncated": float(sum(r.budget_truncated for r in records)),
+              "max_turns_reached": float(sum(r.max_turns_reached for r in records)),
+              "latency_sum": sum(latency), "latency_n": float(len(latency)), "latency_max": max(latency, default=0.0),
+              "drift_sum": float(sum(drift)), "drift_n": float(len(drift)), "drifted": float(sum(d > 0 for d in drift))}
+    counts.update({f"errors/{kind}": float(sum(r.errors.get(kind, 0) for r in records)) for kind in ERROR_KINDS})
+    return counts
+
+
+def episode_metrics(completions: Sequence[Completion], reduce: Any = None) -> dict[str, float]:
+    """A step's agent metrics: turns and calls per episode, tool errors by kind (counts, and the
+    share of calls that failed), the share of inserted tokens, budget truncations, tool latency.
+    `reduce`: counts -> counts summed over every rank's episodes (a distributed run), so the
+    metrics are the whole step's; every rank must call it (it runs collectives)."""
+    c = episode_counts(completions)
+    if reduce is not None:
+        c = reduce(c)
+    n, calls = c["episodes"], c["tool_calls"]
+    if not n:
+        return {}
+    errors = {kind: c[f"errors/{kind}"] for kind in ERROR_KINDS}
+    out = {"agent/turns_mean": c["turns"] / n,
            "agent/tool_calls_mean": calls / n,
            "agent/tool_error_rate": sum(errors.values()) / calls if calls else 0.0,
-           "agent/tool_token_frac": sum(r.tool_tokens for r in records) / max(tokens, 1),
-           "agent/budget_truncated": float(sum(r.budget_truncated for r in records)),
-           "agent/max_turns_reached": float(sum(r.max_turns_reached for r in records)),
-           "agent/tool_latency_mean_s": sum(latency) / len(latency) if latency else 0.0,
-           "agent/tool_latency_max_s": max(latency, default=0.0)}
-    drift = [r.retokenize_drift for r in records if r.retokenize_drift is not None]
-    if drift:
-        out["agent/retokenize_drift"] = sum(drift) / len(drift)
-        out["agent/retokenize_drift_frac"] = sum(d > 0 for d in drift) / len(drift)
-    out.update({f"agent/errors/{kind}": float(count) for kind, count in errors.items()})
+           "agent/tool_token_frac": c["tool_tokens"] / max(c["tokens"], 1.0),
+           "agent/budget_truncated": c["budget_truncated"],
+           "agent/max_turns_reached": c["max_turns_reached"],
+           "agent/tool_latency_mean_s": c["latency_sum"] / c["latency_n"] if c["latency_n"] else 0.0,
+           "agent/tool_latency_max_s": c["latency_max"]}
+    if c["drift_n"]:
+        out["agent/retokenize_drift"] = c["drift_sum"] / c["drift_n"]
+        out["agent/retokenize_drift_frac"] = c["drifted"] / c["drift_n"]
+    out.update({f"agent/errors/{kind}": count for kind, count in errors.items()})
     return out

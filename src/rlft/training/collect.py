@@ -17,6 +17,7 @@ import torch
 from rlft.algorithms import zero_variance_groups
 from rlft.data.order import PromptSampler
 from rlft.data.prompts import PromptExample
+from rlft.monitor.stats import MetricAccumulator
 from rlft.rewards.scoring import RewardScorer, Scores, score_completions
 from rlft.rollout.contract import Completion, Engine, SamplingParams
 from rlft.rollout.turns import TurnDriver, episode_metrics
@@ -54,8 +55,8 @@ def collect_rollout(engine: Engine, sampler: PromptSampler, prompts: list[Prompt
         first, stop = world.share(len(drawn))
         chosen = drawn[first:stop]
         start = time.perf_counter()
-        if not chosen:
-            completions = []
+        if not chosen:  # called all the same: every rank's engine counts the same calls (see Engine.generate)
+            completions = engine.generate([], params, first_prompt=next_group + first)
         elif driver is not None:
             completions = driver.run([e.messages for e in chosen], params, first_prompt=next_group + first)
         else:
@@ -79,7 +80,9 @@ def collect_rollout(engine: Engine, sampler: PromptSampler, prompts: list[Prompt
         if world.sum([len({g for *_, g in kept})])[0] >= prompts_per_step:
             break
     scores = _concat(kept_scores)
-    metrics = {"time/generate": t_gen, "time/score": t_score, **episode_metrics([k[1] for k in kept])}
+    metrics = {"time/generate": t_gen, "time/score": t_score}
+    if driver is not None:  # every rank (a collective): the step's episodes, not this rank's share
+        metrics.update(episode_metrics([k[1] for k in kept], reduce=lambda counts: _summed(world, counts)))
     if dynamic_sampling:
         dropped, kept_groups, sampled_sum, sampled_n = world.sum(
             [dropped, len({g for *_, g in kept}), sum(sampled), len(sampled)])
@@ -88,6 +91,12 @@ def collect_rollout(engine: Engine, sampler: PromptSampler, prompts: list[Prompt
                         "dynamic_sampling/reward_mean_before_filter": sampled_sum / sampled_n if sampled_n
                         else float("nan")})
     return Rollout([k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept], scores, metrics)
+
+
+def _summed(world: World, counts: dict[str, float]) -> dict[str, float]:
+    acc = MetricAccumulator()
+    acc.add(counts)
+    return acc.reduce(world).sums()
 
 
 def _flat_groups(total: list[float | None], groups: list[int]) -> torch.Tensor:

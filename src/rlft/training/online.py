@@ -24,7 +24,7 @@ from rlft.data.order import PromptSampler
 from rlft.data.prompts import PromptExample, make_prompt_encoder
 from rlft.data.readers import read_rows
 from rlft.data.validate import check_rows
-from rlft.errors import ConfigError, DataError, RewardError, TrainingHalted
+from rlft.errors import ConfigError, RewardError, TrainingHalted
 from rlft.eval.generation import evaluate_prompts
 from rlft.eval.suites import prepare_suites
 from rlft.models.loading import Reference, disable_dropout, load_policy, resolve_device
@@ -32,7 +32,7 @@ from rlft.monitor.checks import infra_error_message
 from rlft.rewards.calls import ScoringInterrupted
 from rlft.monitor.stats import MetricAccumulator
 from rlft.rewards.scoring import RewardScorer, Scores
-from rlft.rollout import rollout_dtype, rollout_engine, sampling_params, turn_driver
+from rlft.rollout import check_prompts_with_tools, rollout_dtype, rollout_engine, sampling_params, turn_driver
 from rlft.rollout.batch import RolloutBatch
 from rlft.training.collect import Rollout, collect_rollout
 from rlft.training.critic import Critic, build_critic
@@ -93,12 +93,10 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
                           f"choose one of {components}")
     engine = rollout_engine(config.rollout, policy.unsharded(), config.seed, sample_dtype)  # whole weights
     driver = None
-    if config.agent is not None:
-        if world.active:  # untested: episodes per rank and their sampling streams across ranks
-            raise ConfigError("agent: multi-turn rollouts run in one process so far; launch without torchrun "
-                              "(or drop the agent section)")
+    if config.agent is not None:  # each rank runs its share's episodes (collect_rollout)
         driver = turn_driver(config.agent, engine, policy.tokenizer)
-        _check_prompts_with_tools(driver, prompts, d.max_prompt_length)
+        for examples in (prompts, evals, *(p.examples for p in suites)):
+            check_prompts_with_tools(driver, examples, d.max_prompt_length, config.agent.max_total_tokens)
     kl_ctl = make_kl_controller(a.kl_coef, a.kl_target, a.kl_adapt_factor, a.kl_controller, a.kl_horizon)
     sampler = PromptSampler(len(train_rows), config.seed, d.shuffle, order=train_rows.order)
     update_gen = torch.Generator().manual_seed(config.seed)
@@ -144,10 +142,11 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
             metrics["tokens_per_s"] = metrics["completion/tokens"] / metrics["time/step"]
             failed = None
             if evals and session.eval_due():
-                eval_metrics, failed = _evaluate(session, engine, evals, config, scorer)
+                eval_metrics, failed = _evaluate(session, engine, evals, config, scorer, driver)
                 metrics.update(eval_metrics)
             if suites and failed is None:
-                suite_metrics, failed = session.evaluate_suites(engine, suites, config.seed, metrics["reward/mean"])
+                suite_metrics, failed = session.evaluate_suites(engine, suites, config.seed, metrics["reward/mean"],
+                                                                driver)
                 metrics.update(suite_metrics)
                 eval_metrics.update(suite_metrics)
             _log_samples(session, rollout, config.logging.num_samples, config.logging.sample_every)
@@ -234,17 +233,6 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
     return metrics
 
 
-def _check_prompts_with_tools(driver: Any, prompts: list[PromptExample], limit: int) -> None:
-    """The tool descriptions lengthen every prompt: check them against data.max_prompt_length as
-    the episodes will see them, before the first step."""
-    for e in prompts:
-        n = len(driver.encoder.prompt_ids(e.messages))
-        if n > limit:
-            raise DataError(f"{e.where}: with the agent's tool descriptions the prompt is {n} tokens, longer than "
-                            f"data.max_prompt_length ({limit}); raise data.max_prompt_length or shorten the "
-                            "tools' docstrings")
-
-
 def _rollout_metrics(session: TrainingSession, rollout: Rollout, beta: float) -> dict[str, float]:
     """The step's reward and length metrics over every rank's completions."""
     world = session.world
@@ -307,10 +295,12 @@ def _scoring_report(session: TrainingSession, scorer: RewardScorer, prefix: str 
 
 
 def _evaluate(session: TrainingSession, engine: Any, evals: list[PromptExample], config: Config,
-              scorer: RewardScorer) -> tuple[dict[str, float], str | None]:
-    """Held-out metrics after a step, and why they failed, if they did. A Ctrl-C during the eval's
-    scoring ends it without metrics (the loop then stops, the step is kept)."""
-    metrics, failed = evaluation(lambda: evaluate_prompts(engine, evals, config.eval, scorer, seed=config.seed).metrics)
+              scorer: RewardScorer, driver: Any = None) -> tuple[dict[str, float], str | None]:
+    """Held-out metrics after a step (of episodes, with a turn `driver`), and why they failed, if
+    they did. A Ctrl-C during the eval's scoring ends it without metrics (the loop then stops, the
+    step is kept)."""
+    metrics, failed = evaluation(lambda: evaluate_prompts(engine, evals, config.eval, scorer, seed=config.seed,
+                                                          driver=driver).metrics)
     if failed is None:
         _scoring_report(session, scorer, prefix="eval: ")
     return metrics, failed
