@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from agent_model import SUMS, build_calculator_model, prompt_rows
+from conftest import run_main
 from rlft.rollout.contract import Completion, Episode, SamplingParams
 from rlft.rollout.tool_calls import ParsedCall
 from rlft.rollout.tools import load_tools
@@ -170,6 +171,44 @@ def test_held_out_evals_and_suites_during_training_run_episodes(trained):
     assert len(suite) == len(SUMS) and all(s["tool_calls"] == 1 and s["correct"] for s in suite)
     tool = [m for m in suite[0]["transcript"] if m["role"] == "tool"]
     assert tool == [{"role": "tool", "name": "calculator", "content": str(sum(SUMS[0]))}]
+
+
+def test_rlft_eval_of_a_run_uses_its_agent_section(trained, calc, monkeypatch, capsys):
+    data = str(calc / "sums.jsonl")
+    result = run_main(monkeypatch, capsys, "eval", str(trained), "--data", data)
+    assert result.returncode == 0, result.stdout + result.stderr
+    saved = json.loads((trained / "evals" / "sums.json").read_text())
+    assert saved["metrics"]["eval/accuracy"] == 1.0 and saved["metrics"]["eval/agent/tool_calls_mean"] == 1.0
+    assert saved["settings"]["agent"]["tools"] == ["calculator"]
+    # without the agent section the answer is the first turn alone: a call, not a number
+    result = run_main(monkeypatch, capsys, "eval", str(trained), "agent=null", "--data", data)
+    assert result.returncode == 0, result.stdout + result.stderr
+    single = json.loads((trained / "evals" / "sums-2.json").read_text())["metrics"]
+    assert single["eval/accuracy"] == 0.0 and not any("agent/" in k for k in single)
+    # no --data: the run's eval suites, as episodes
+    result = run_main(monkeypatch, capsys, "eval", str(trained))
+    assert result.returncode == 0, result.stdout + result.stderr
+    suites = json.loads((trained / "evals" / "suites.json").read_text())["metrics"]
+    assert suites["eval/sums/accuracy"] == 1.0 and suites["eval/sums/agent/tool_calls_mean"] == 1.0
+
+
+def test_rlft_data_screen_samples_episodes(calc, tmp_path, monkeypatch, capsys):
+    """Near-greedy episodes solve every sum (all too easy); the same prompts answered single-turn
+    solve none (all too hard)."""
+    config = tmp_path / "screen.yaml"
+    config.write_text(yaml.safe_dump(agent_config(calc, "screen-run", rollout={"temperature": 0.1})))
+    out = tmp_path / "kept.jsonl"
+    result = run_main(monkeypatch, capsys, "data", "screen", str(config), "--samples", "2", "--out", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"kept 0, too easy {len(SUMS)} (> 0.9), too hard 0" in result.stdout
+    assert "episodes: 2.00 turns and 1.00 tool calls per episode, tool error rate 0.00" in result.stdout
+    result = run_main(monkeypatch, capsys, "data", "screen", str(config), "agent=null", "--samples", "2",
+                      "--out", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"kept 0, too easy 0 (> 0.9), too hard {len(SUMS)}" in result.stdout and "episodes:" not in result.stdout
+    # preference pairs hold single-turn answers: an agent config is refused before the model loads
+    result = run_main(monkeypatch, capsys, "data", "pairs", str(config), "--out", str(tmp_path / "pairs.jsonl"))
+    assert result.returncode == 2 and "agent=null" in result.stderr and "Traceback" not in result.stderr
 
 
 CALC_REWARD = '''

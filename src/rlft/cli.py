@@ -176,19 +176,24 @@ def eval(
     if compare is not None or judge or judge_model:
         from rlft.eval.compare_report import compare_command
 
+        if settings is not None and settings.agent is not None:
+            console.print("note: --compare judges single-turn answers; the config's agent section (tools, episodes) "
+                          "is not used", highlight=False)
+
         compare_command(target, compare, data, cfg, rewards, explicit_rewards=bool(reward), judge=judge,
                         judge_model=judge_model, seed=seed, split=split, max_prompt_length=max_prompt,
                         scoring=scoring, engine=engine, vllm=vllm, out=out, run_dir=run_dir,
                         **({"max_row_bytes": max_row_bytes} if max_row_bytes else {}))
         return
     result = evaluate_model(target, data, rewards, cfg, split=split, seed=seed, max_prompt_length=max_prompt,
-                            scoring=scoring, engine=engine, vllm=vllm,
+                            scoring=scoring, engine=engine, vllm=vllm, agent=settings.agent if settings else None,
                             **({"max_row_bytes": max_row_bytes} if max_row_bytes else {}))
     if out is not None:
         write_records(result, out)
     if run_dir is not None:
         settings = {"eval": cfg.model_dump(mode="json"), "rewards": [r.model_dump(mode="json") for r in rewards],
-                    "seed": seed, "split": split}
+                    "seed": seed, "split": split,
+                    **({"agent": settings.agent.model_dump(mode="json")} if settings and settings.agent else {})}
         saved = save_run_eval(run_dir, data, result, settings)
         console.print(f"results saved to {saved} (the run's summary.json is left as training wrote it)")
     from rich.table import Table
@@ -207,7 +212,8 @@ def _eval_suites(target: Path, settings: Any, engine: str, run_dir: Optional[Pat
         write_records(result, out)
     if run_dir is not None:
         suites = [s.model_dump(mode="json") for s in settings.eval.suites]
-        saved = save_run_eval(run_dir, "suites", result, {"suites": suites, "seed": settings.seed})
+        agent = {"agent": settings.agent.model_dump(mode="json")} if settings.agent else {}
+        saved = save_run_eval(run_dir, "suites", result, {"suites": suites, "seed": settings.seed, **agent})
         console.print(f"results saved to {saved} (the run's summary.json is left as training wrote it)")
     from rich.table import Table
 

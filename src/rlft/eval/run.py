@@ -7,7 +7,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlft.config import Config, EvalConfig, LoraConfig, ModelConfig, RewardSpec, ScoringConfig, VllmSettings
+from rlft.config import (AgentConfig, Config, EvalConfig, LoraConfig, ModelConfig, RewardSpec, ScoringConfig,
+                         VllmSettings)
 from rlft.data.readers import DEFAULT_MAX_ROW_BYTES, read_rows
 from rlft.data.prompts import PromptExample, make_prompt_encoder
 from rlft.data.validate import check_rows
@@ -15,7 +16,7 @@ from rlft.errors import RlftError
 from rlft.eval.generation import EvalResult, evaluate_prompts
 from rlft.models.loading import LoadedModel, is_adapter_export, load_adapter_export, load_policy
 from rlft.rewards.scoring import RewardScorer
-from rlft.rollout import build_engine
+from rlft.rollout import build_engine, check_prompts_with_tools, turn_driver
 
 
 def resolve_model(target: str | Path) -> tuple[Path, Path | None]:
@@ -32,7 +33,9 @@ def evaluate_model(target: str | Path, data: str, rewards: list[RewardSpec], cfg
                    split: str = "train", seed: int = 0, max_prompt_length: int = 4096, device: str = "auto",
                    prefix: str = "eval/", scoring: ScoringConfig | None = None,
                    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES, engine: str = "hf",
-                   vllm: VllmSettings | None = None) -> EvalResult:
+                   vllm: VllmSettings | None = None, agent: AgentConfig | None = None) -> EvalResult:
+    """`agent`: each answer is a multi-turn episode with these tools and limits (a run's own agent
+    section, so its numbers compare with the run's)."""
     model_dir, _ = resolve_model(target)
     scorer = make_scorer(rewards, scoring) if rewards else None
     check_correct_component(cfg, scorer)  # before the model loads and anything is generated
@@ -42,9 +45,21 @@ def evaluate_model(target: str | Path, data: str, rewards: list[RewardSpec], cfg
     warn_if_cut(cfg, len(examples), data)
     engine = build_engine(policy, seed, engine, batch_size=cfg.batch_size, vllm=vllm)
     try:
-        return evaluate_prompts(engine, examples, cfg, scorer, prefix=prefix, seed=seed)
+        driver = agent_driver(agent, engine, policy.tokenizer, [examples], max_prompt_length)
+        return evaluate_prompts(engine, examples, cfg, scorer, prefix=prefix, seed=seed, driver=driver)
     finally:
         engine.close()
+
+
+def agent_driver(agent: AgentConfig | None, engine: Any, tokenizer: Any, example_sets: list[list[PromptExample]],
+                 max_prompt_length: int) -> Any:
+    """The turn driver `agent` configures (None without one), its prompts checked with the tools."""
+    if agent is None:
+        return None
+    driver = turn_driver(agent, engine, tokenizer)
+    for examples in example_sets:
+        check_prompts_with_tools(driver, examples, max_prompt_length, agent.max_total_tokens)
+    return driver
 
 
 def evaluate_suites(target: str | Path, settings: Config, *, device: str = "auto", engine: str = "hf",
@@ -61,7 +76,9 @@ def evaluate_suites(target: str | Path, settings: Config, *, device: str = "auto
     sampler = build_engine(policy, settings.seed, engine, batch_size=settings.eval.batch_size,
                            vllm=settings.rollout.vllm)
     try:
-        metrics, records = run_suites(sampler, suites, 0, 0, settings.seed)
+        driver = agent_driver(settings.agent, sampler, policy.tokenizer, [p.examples for p in suites],
+                              d.max_prompt_length)
+        metrics, records = run_suites(sampler, suites, 0, 0, settings.seed, driver=driver)
     finally:
         sampler.close()
     return EvalResult(metrics, [{"suite": name, **r} for name, recs in records.items() for r in recs])
