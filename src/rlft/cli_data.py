@@ -94,6 +94,8 @@ def _prompts(config: Any, plumbing: Plumbing) -> tuple[list[Any], list[Any]]:
 def run_screen(config: Any, plumbing: Plumbing, samples: int, low: float, high: float, out: Path,
                threshold: float | None = None) -> str:
     from rlft.data.screen import screen_prompts, write_screen
+    from rlft.monitor.stats import MetricAccumulator
+    from rlft.rollout.turns import episode_counts
 
     rows, examples = _prompts(config, plumbing)
     component = getattr(plumbing, "correct_component", None)
@@ -103,11 +105,11 @@ def run_screen(config: Any, plumbing: Plumbing, samples: int, low: float, high: 
         scores = plumbing.rewards([example], [answer])
         return scores.components[component][0] if component in scores.components else scores.total[0]
 
-    sampled: list[Any] = []
+    episodes = MetricAccumulator()  # the episodes' counts, summed chunk by chunk
 
     def sample(chunk: list[Any], k: int) -> list[Any]:
         out = list(plumbing.sample(chunk, k))
-        sampled.extend(out)
+        episodes.add(episode_counts([c for c in out if getattr(c, "episode", None) is not None]))
         return out
 
     try:
@@ -118,16 +120,16 @@ def run_screen(config: Any, plumbing: Plumbing, samples: int, low: float, high: 
     c = result.counts
     return (f"screened {len(examples)} prompts with {samples} samples each: kept {c['kept']}, too easy "
             f"{c['too_easy']} (> {high}), too hard {c['too_hard']} (< {low}), unscored {c['unscored']}\n"
-            f"{_episodes_line(sampled)}{result.histogram()}\nkept rows: {kept_path}\npass rates: {rates_path}")
+            f"{_episodes_line(episodes.sums())}{result.histogram()}\nkept rows: {kept_path}\npass rates: {rates_path}")
 
 
-def _episodes_line(completions: list[Any]) -> str:
+def _episodes_line(counts: dict[str, float]) -> str:
     """How the screened episodes used their tools (nothing for single-turn answers)."""
     from rlft.rollout.turns import episode_metrics
 
-    m = episode_metrics([c for c in completions if getattr(c, "episode", None) is not None])
-    if not m:
+    if not counts.get("episodes"):
         return ""
+    m = episode_metrics([], reduce=lambda _: counts)
     return (f"episodes: {m['agent/turns_mean']:.2f} turns and {m['agent/tool_calls_mean']:.2f} tool calls per "
             f"episode, tool error rate {m['agent/tool_error_rate']:.2f}\n")
 
