@@ -23,8 +23,9 @@ from rlft.monitor.settings import LoggerSettings, MonitorConfig
 from rlft.section import Section
 
 OFFLINE_METHODS = ("sft", "dpo", "reward_model")
-ONLINE_METHODS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "ppo")
-Method = Literal["sft", "dpo", "reward_model", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "ppo"]
+ONLINE_METHODS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "ppo", "gspo", "cispo")
+Method = Literal["sft", "dpo", "reward_model", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "ppo", "gspo",
+                 "cispo"]
 
 
 class ModelConfig(Section):
@@ -241,8 +242,13 @@ class AlgorithmConfig(Section):
 
     advantage: AdvantageName | None = Field(None, description="Advantage estimator.")
     std_floor: float | None = Field(None, ge=0, description="Group std is clamped to at least this before dividing.")
+    policy_loss: Literal["clipped", "gspo", "gspo_token", "cispo"] | None = Field(
+        None, description="Policy loss: 'clipped' (PPO's token-level clipped surrogate), 'gspo' (sequence-level ratio "
+                          "and clip, arXiv:2507.18071), 'gspo_token' (its per-token-advantage variant), 'cispo' "
+                          "(clipped stop-gradient weight on log pi, every token keeps a gradient; arXiv:2506.13585).")
     clip_low: float | None = Field(
-        None, description="Lower clip of the importance ratio: 1 - clip_low; in (0, 1), so the bound stays positive.")
+        None, description="Lower clip of the importance ratio: 1 - clip_low; in (0, 1), so the bound stays positive "
+                          "(cispo: up to 1, no lower bound on its weight).")
     clip_high: float | None = Field(
         None, description="Upper clip: 1 + clip_high, clip_high > 0 (DAPO clip-higher: 0.28).")
     dual_clip: float | None = Field(None, description="Dual-clip bound c > 1 for negative advantages (None: off).")
@@ -294,7 +300,7 @@ class AlgorithmConfig(Section):
         if value is None:
             return value
         name = info.field_name
-        if name == "clip_low" and not 0 < value < 1:
+        if name == "clip_low" and not 0 < value <= 1:  # 1 only for cispo: checked with the method
             raise ValueError(f"algorithm.clip_low={value:g}: the ratio's lower bound is 1 - clip_low, which must "
                              "lie in (0, 1), so clip_low must be in (0, 1) (PPO uses 0.2)")
         if name == "clip_high" and not value > 0:
@@ -312,7 +318,7 @@ class AlgorithmConfig(Section):
 
 
 _BASE_PRESET: dict[str, Any] = dict(
-    advantage="group_norm", std_floor=1e-4, clip_low=0.2, clip_high=0.2, dual_clip=None,
+    advantage="group_norm", policy_loss="clipped", std_floor=1e-4, clip_low=0.2, clip_high=0.2, dual_clip=None,
     kl_coef=0.04, kl_estimator="k3", kl_in="loss", kl_target=None, kl_adapt_factor=1.5,
     kl_controller="deadband", kl_horizon=10_000,
     entropy_coef=0.0, loss_agg="token_mean", loss_constant=None, epochs=1, minibatches=1,
@@ -331,6 +337,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "reinforce_pp": dict(advantage="reinforce_pp", kl_in="reward", kl_estimator="k1", kl_coef=0.01),
     # PPO with a critic and GAE; the sequence reward sits on the last valid token.
     "ppo": dict(advantage="gae", kl_in="reward", kl_estimator="k1", kl_coef=0.05, epochs=2),
+    # GSPO (arXiv:2507.18071): the sequence's length-normalised ratio, clipped at sequence level with
+    # the paper's ranges (3e-4, 4e-4), averaged per sequence.
+    "gspo": dict(policy_loss="gspo", clip_low=3e-4, clip_high=4e-4, loss_agg="sequence_mean"),
+    # CISPO (MiniMax-M1, arXiv:2506.13585): clipped stop-gradient weights, no lower bound as in the
+    # paper; the upper bound is a choice (the paper tunes it): weights at most 4.
+    "cispo": dict(policy_loss="cispo", clip_low=1.0, clip_high=3.0),
 }
 
 
@@ -661,6 +673,13 @@ class Config(Section):
             a = self.algorithm
             if a.dual_clip is not None and a.dual_clip <= 1:
                 raise ValueError(f"algorithm.dual_clip must be > 1 (got {a.dual_clip}); null turns it off")
+            if a.dual_clip is not None and a.policy_loss != "clipped":
+                raise ValueError(f"algorithm.dual_clip bounds the token-level clipped surrogate; policy_loss "
+                                 f"{a.policy_loss} has no such term (drop dual_clip)")
+            if a.clip_low is not None and a.clip_low >= 1 and a.policy_loss != "cispo":
+                raise ValueError(f"algorithm.clip_low={a.clip_low:g}: the ratio's lower bound is 1 - clip_low, which "
+                                 "must lie in (0, 1), so clip_low must be in (0, 1) (PPO uses 0.2; only "
+                                 "policy_loss=cispo may set 1, no lower bound on its weight)")
             if a.kl_target is not None and not a.kl_coef:
                 raise ValueError(
                     f"algorithm.kl_target={a.kl_target} adapts beta multiplicatively, but beta starts at "
@@ -737,7 +756,8 @@ def config_warnings(config: Config) -> list[str]:
     if config.is_online:
         for name in ("clip_low", "clip_high"):
             value = getattr(config.algorithm, name)
-            if value is not None and value > CLIP_WARN:
+            # cispo clips a weight, not the update: its wide range is the point
+            if value is not None and value > CLIP_WARN and config.algorithm.policy_loss != "cispo":
                 out.append(f"algorithm.{name}={value:g} is above {CLIP_WARN}: one update can move token "
                            "probabilities far from the sampling policy (PPO uses 0.2, DAPO's clip-higher 0.28)")
         a = config.algorithm
