@@ -23,9 +23,9 @@ from rlft.monitor.settings import LoggerSettings, MonitorConfig
 from rlft.section import Section
 
 OFFLINE_METHODS = ("sft", "dpo", "reward_model")
-ONLINE_METHODS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "ppo", "gspo", "cispo")
+ONLINE_METHODS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "ppo", "gspo", "cispo", "distill")
 Method = Literal["sft", "dpo", "reward_model", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "ppo", "gspo",
-                 "cispo"]
+                 "cispo", "distill"]
 
 
 class ModelConfig(Section):
@@ -234,7 +234,8 @@ def check_vllm_sampling(temperature: float, top_p: float, top_k: int, where: str
                          f"{VLLM_MAX_TEMPERATURE} (vLLM's limit); lower it or use rollout.engine=hf")
 
 
-AdvantageName = Literal["group_norm", "group_mean", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"]
+AdvantageName = Literal["group_norm", "group_mean", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae",
+                        "reverse_kl"]
 
 
 class AlgorithmConfig(Section):
@@ -343,6 +344,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # CISPO (MiniMax-M1, arXiv:2506.13585): clipped stop-gradient weights, no lower bound as in the
     # paper; the upper bound is a choice (the paper tunes it): weights at most 4.
     "cispo": dict(policy_loss="cispo", clip_low=1.0, clip_high=3.0),
+    # On-policy distillation (Agarwal et al., arXiv:2306.13649; Thinking Machines' recipe): each sampled
+    # token's advantage is the teacher's log-prob minus the student's (minus the per-token reverse KL);
+    # rewards are only measured. No reference KL: the teacher is the anchor.
+    "distill": dict(advantage="reverse_kl", kl_coef=0.0),
 }
 
 
@@ -397,6 +402,18 @@ class AgentConfig(Section):
     parser: Literal["auto", "hermes"] = Field(
         "auto", description="Tool-call syntax: hermes = <tool_call>{json}</tool_call> (Qwen, Hermes); auto picks it "
                             "from the chat template.")
+
+
+class TeacherConfig(Section):
+    """The teacher of on-policy distillation (method: distill): scores the student's own samples."""
+
+    path: str = Field(description="The teacher's weights (local folder or hub id); its tokenizer must map every "
+                                  "token as the student's does (checked at start-up).")
+
+    @field_validator("path")
+    @classmethod
+    def _model_location(cls, value: str) -> str:
+        return paths.existing(_local(value, "teacher.path"))
 
 
 class RewardSpec(Section):
@@ -604,6 +621,8 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
+    teacher: TeacherConfig | None = Field(None, description="method: distill only: the model whose per-token "
+                                                            "log-probs the student learns from.")
     dpo: DpoConfig = Field(default_factory=DpoConfig)
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
@@ -662,8 +681,9 @@ class Config(Section):
         if self.eval.suites and self.method == "reward_model":
             raise ValueError("eval.suites evaluate a policy's generations; a reward model does not generate "
                              "(its held-out metrics come from data.eval)")
+        self._check_distillation()
         if self.is_online:
-            if self.rollout.group_size < 2:
+            if self.rollout.group_size < 2 and self.method != "distill":  # distillation needs no group baseline
                 raise ValueError(
                     f"rollout.group_size is {self.rollout.group_size}; group-relative methods need at least 2 "
                     "completions per prompt (8 or 16 is typical)")
@@ -698,6 +718,20 @@ class Config(Section):
                 longest = self.agent.max_total_tokens if self.agent else self.rollout.max_new_tokens
                 self.algorithm.loss_constant = longest
         return self
+
+    def _check_distillation(self) -> None:
+        if self.method == "distill":
+            if self.teacher is None:
+                raise ValueError("method: distill learns from a teacher's log-probs; set teacher.path to the "
+                                 "teacher model (same tokenizer as model.path)")
+            if self.algorithm.advantage != "reverse_kl":
+                raise ValueError(f"method: distill takes its advantages from the teacher (advantage: reverse_kl); "
+                                 f"algorithm.advantage={self.algorithm.advantage} would ignore it")
+        elif self.teacher is not None:
+            raise ValueError(f"teacher: is used by method distill only; method {self.method} would ignore it "
+                             "(drop the teacher section, or set method: distill)")
+        elif self.is_online and self.algorithm.advantage == "reverse_kl":
+            raise ValueError("algorithm.advantage=reverse_kl needs a teacher: use method: distill with teacher.path")
 
     @property
     def is_online(self) -> bool:

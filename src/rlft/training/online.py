@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from rich.markup import escape
 
-from rlft.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, make_kl_controller
+from rlft.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, make_kl_controller, reverse_kl_advantages
 from rlft.config import Config, DataConfig
 from rlft.data.mixing import TrainRows, read_train_rows
 from rlft.data.order import PromptSampler
@@ -38,6 +38,7 @@ from rlft.training.collect import Rollout, collect_rollout
 from rlft.training.critic import Critic, build_critic
 from rlft.training.rl_update import UpdateSettings, policy_update, reference_logprobs, token_rewards
 from rlft.training import checkpoint as ckpt
+from rlft.training.distill import Teacher, load_teacher
 from rlft.training.distributed import SINGLE, World, gather_rows, shard
 from rlft.training.session import TrainingSession, evaluation, open_run, run_precision, session_for
 from rlft.training.sft_mix import build_sft_mix
@@ -59,20 +60,22 @@ def run_online(config: Config, world: World = SINGLE) -> dict[str, Any]:
         policy = load_policy(config.model, config.lora, precision.weight_dtype)
         disable_dropout(policy.model)  # on-policy, pi / pi_old must be exactly 1 (see rl_update)
         reference = Reference(policy) if config.needs_reference else None  # the starting weights
-        if world.active:  # shard what trains (and a frozen reference copy) across the ranks
+        teacher = load_teacher(config, policy.tokenizer, precision.weight_dtype) if config.teacher else None
+        if world.active:  # shard what trains (and the frozen reference and teacher) across the ranks
             policy.make_mirror()
             shard(policy.model, world)
-            if reference is not None and reference.frozen_copy is not None:
-                shard(reference.frozen_copy, world)
+            for frozen in (reference, teacher):
+                if frozen is not None and frozen.frozen_copy is not None:
+                    shard(frozen.frozen_copy, world)
         session = session_for(config, run, policy, world, precision)
         try:
-            return _train(config, session, reference, sample_dtype)
+            return _train(config, session, reference, sample_dtype, teacher)
         finally:
             session.loggers.close()
 
 
 def _train(config: Config, session: TrainingSession, reference: Reference | None,
-           sample_dtype: torch.dtype | None = None) -> dict[str, Any]:
+           sample_dtype: torch.dtype | None = None, teacher: Teacher | None = None) -> dict[str, Any]:
     a, d, sc, policy, world = config.algorithm, config.data, config.scoring, session.policy, session.world
     # a Ctrl-C may cut scoring short in one process; ranks stop together at a step's end instead
     should_stop = None if world.active else (lambda: session.stop_signal is not None)
@@ -130,7 +133,7 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
                 _halt(session, step_start, str(exc))
             rollout.metrics.update(world_sums(world, _scoring_report(session, scorer)))
             _check_infra(session, rollout, sc.max_infra_error_rate, step_start)
-            metrics = online_step(session, rollout, reference, kl_ctl, settings, update_gen, critic, sft_mix)
+            metrics = online_step(session, rollout, reference, kl_ctl, settings, update_gen, critic, sft_mix, teacher)
             if metrics is None:  # every update was skipped (non-finite): draw a new batch
                 continue
             session.sync_mirror()  # a distributed run's whole copy, which the engine samples from
@@ -175,7 +178,7 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
 
 def online_step(session: TrainingSession, rollout: Rollout, reference: Reference | None, kl_ctl: Any,
                 s: UpdateSettings, generator: torch.Generator, critic: Critic | None = None,
-                sft_mix: Any = None) -> dict[str, float] | None:
+                sft_mix: Any = None, teacher: Teacher | None = None) -> dict[str, float] | None:
     """Advantages and policy updates for one scored rollout; returns the step's metrics. In a
     distributed run `rollout` is this rank's share; metrics and advantages are the global batch's."""
     world = session.world
@@ -207,13 +210,16 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
     global_rows, (first, stop) = gather_rows(world, rewards_tok, batch.completion_mask, batch.group_ids, valid,
                                              *(() if values is None else (values,)))
     rewards_g, mask_g, groups_g, valid_g = global_rows[:4]
-    if critic is None:
-        advantages_g, adv_metrics = ADVANTAGE_ESTIMATORS[s.advantage](
-            rewards_g, mask_g.bool(), groups_g, valid_g.bool(), std_floor=s.std_floor, gamma=s.gamma, lam=s.lam)
+    if teacher is not None:  # on-policy distillation: each token's own signal, from the teacher
+        advantages, adv_metrics = _distillation_advantages(session, teacher, batch, s)
     else:
-        advantages_g, adv_metrics = critic.targets.gae_advantages(global_rows[4], mask_g.bool(), groups_g, rewards_g,
-                                                                  valid_g.bool(), (first, stop))
-    advantages = advantages_g[first:stop, : batch.completion_len]
+        if critic is None:
+            advantages_g, adv_metrics = ADVANTAGE_ESTIMATORS[s.advantage](
+                rewards_g, mask_g.bool(), groups_g, valid_g.bool(), std_floor=s.std_floor, gamma=s.gamma, lam=s.lam)
+        else:
+            advantages_g, adv_metrics = critic.targets.gae_advantages(
+                global_rows[4], mask_g.bool(), groups_g, rewards_g, valid_g.bool(), (first, stop))
+        advantages = advantages_g[first:stop, : batch.completion_len]
     metrics.update(adv_metrics)
 
     # mu epochs x minibatches of clipped policy-gradient steps (the critic learns alongside)
@@ -232,6 +238,18 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
         kl_ctl.update(metrics["kl"], int(mask_g.shape[0]))
     metrics["time/train"] = time.perf_counter() - start
     return metrics
+
+
+def _distillation_advantages(session: TrainingSession, teacher: Teacher, batch: RolloutBatch,
+                             s: UpdateSettings) -> tuple[torch.Tensor, dict[str, float]]:
+    """The teacher's log-probs on the sampled tokens, minus the student's sampling log-probs; the
+    reverse KL metric is the global batch's mean per token."""
+    world = session.world
+    with session.autocast():
+        teacher_lp = reference_logprobs(teacher, batch, s.temperature, s.micro_batch_size, world, s.packing)
+    advantages, _ = reverse_kl_advantages(batch.sampling_logprobs, teacher_lp, batch.completion_mask)  # [N, T]
+    kl_sum, tokens = world.sum([float(-advantages.sum()), float(batch.completion_mask.sum())])
+    return advantages, {"distill/reverse_kl": kl_sum / max(tokens, 1.0)}
 
 
 def _check_prompts_with_tools(driver: Any, prompts: list[PromptExample], limit: int) -> None:
