@@ -35,7 +35,7 @@ from typing import Any, Sequence
 from rlft.errors import ConfigError
 from rlft.models.template import Messages, encode_text, end_of_turn_ids
 from rlft.rollout.contract import Completion, Engine, Episode, SamplingParams
-from rlft.rollout.tool_calls import Parser
+from rlft.rollout.tool_calls import Parser, hermes
 from rlft.rollout.tools import ERROR_KINDS, PendingCall, Tool, ToolResult, start_call
 
 _MARKER = "\x00RLFT_ASSISTANT\x00"
@@ -43,8 +43,8 @@ _PROBE: Messages = [{"role": "user", "content": "What is 2 + 3?"}]
 
 TOOLS_BLOCK = (
     "You can call tools. Their JSON schemas:\n<tools>\n{schemas}\n</tools>\n"
-    "To call a tool, write <tool_call>{{\"name\": <tool name>, \"arguments\": <JSON object>}}</tool_call> "
-    "and end your turn; each result comes back in a tool message. When you are done, answer without a call.")
+    "To call a tool, {syntax} and end your turn; each result comes back in a tool message. When you are done, "
+    "answer without a call.")
 
 
 @dataclass(frozen=True)
@@ -58,10 +58,11 @@ class AgentLimits:
 
 class ObservationEncoder:
     """Prompts and observations through the chat template, tools presented the template's way (its
-    `tools=` argument) or, for a template without tool support, as a system block (TOOLS_BLOCK)."""
+    `tools=` argument) or, for a template without tool support, as a system block (TOOLS_BLOCK)
+    that teaches `call_syntax`, the parser's own (tool_calls.py)."""
 
-    def __init__(self, tokenizer: Any, schemas: list[dict[str, Any]]):
-        self.tokenizer, self.schemas = tokenizer, schemas
+    def __init__(self, tokenizer: Any, schemas: list[dict[str, Any]], call_syntax: str = hermes.syntax):
+        self.tokenizer, self.schemas, self.call_syntax = tokenizer, schemas, call_syntax
         plain = self._apply(_PROBE, True, None)
         self.native_tools = bool(schemas) and self._apply(_PROBE, True, schemas) != plain
         self.eot_ids = set(end_of_turn_ids(tokenizer))
@@ -74,7 +75,7 @@ class ObservationEncoder:
     def with_tools(self, messages: Messages) -> Messages:
         if not self.schemas or self.native_tools:
             return list(messages)
-        block = TOOLS_BLOCK.format(schemas="\n".join(json.dumps(s) for s in self.schemas))
+        block = TOOLS_BLOCK.format(schemas="\n".join(json.dumps(s) for s in self.schemas), syntax=self.call_syntax)
         if messages and messages[0]["role"] == "system":
             return [{**messages[0], "content": messages[0]["content"] + "\n\n" + block}, *messages[1:]]
         return [{"role": "system", "content": block}, *messages]
@@ -133,7 +134,7 @@ class TurnDriver:
         self.engine, self.tokenizer, self.parser, self.limits = engine, tokenizer, parser, limits
         self.check_drift = check_drift
         self.tools = {t.name: t for t in tools}
-        self.encoder = ObservationEncoder(tokenizer, [t.schema for t in tools])
+        self.encoder = ObservationEncoder(tokenizer, [t.schema for t in tools], parser.syntax)
 
     def run(self, prompts: Sequence[Messages], params: SamplingParams, first_prompt: int = 0) -> list[Completion]:
         lim = self.limits
@@ -212,8 +213,8 @@ class TurnDriver:
                     result = ToolResult(f"Error: at most {lim.max_calls_per_turn} tool calls per turn",
                                         "too_many_calls")
                 elif call.error is not None:
-                    result = ToolResult("Error: the tool call is not valid JSON of the form "
-                                        '{"name": ..., "arguments": {...}}', call.error)
+                    result = ToolResult(f"Error: the tool call could not be read; to call a tool, {self.parser.syntax}",
+                                        call.error)
                 else:
                     started.append((call.name, start_call(self.tools, call.name, call.arguments)))
                     continue
