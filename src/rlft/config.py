@@ -386,6 +386,9 @@ class AgentConfig(Section):
         "auto", description="Tool-call syntax: hermes = <tool_call>{json}</tool_call> (Qwen, Hermes); llama3_json = "
                             "the whole turn is {\"name\": ..., \"parameters\": {...}} (Llama 3.1-3.3); auto picks "
                             "from the chat template (hermes when it names neither).")
+    on_tool_error: Literal["observe", "end"] = Field(
+        "observe", description="A turn whose calls include a failed one: observe = the model reads the error results "
+                               "and goes on; end = the episode ends there (finish 'stop', nothing inserted).")
 
 
 class RewardSpec(Section):

@@ -38,6 +38,7 @@ class Episode:
     tool_tokens: int = 0  # inserted (loss-masked) tokens
     budget_truncated: bool = False  # an observation would have overflowed agent.max_total_tokens
     max_turns_reached: bool = False  # the last allowed turn still asked for tools
+    ended_on_error: bool = False  # a call failed and agent.on_tool_error is 'end'
     tool_latency_s: list[float] = field(default_factory=list)  # per call
     max_tokens: int = 0  # the episode's token budget (what `max_new_tokens` is to one turn)
     retokenize_drift: int | None = None  # trained tokens after the first one a re-render differs at (None: unchecked)

@@ -54,6 +54,7 @@ class AgentLimits:
     max_tool_output_tokens: int = 256
     tool_timeout_s: float = 10.0
     max_calls_per_turn: int = 4
+    on_tool_error: str = "observe"  # 'end': a turn with a failed call ends the episode (agent.on_tool_error)
 
 
 class ObservationEncoder:
@@ -222,15 +223,19 @@ class TurnDriver:
             pending.append(started)
         going_on = []
         for (ep, calls), started in zip(wanting, pending):
-            messages = []
+            messages, failed = [], False
             for name, call in started:
                 result = call.result(lim.tool_timeout_s)
                 ep.record.tool_calls += 1
                 if result.error is not None:
                     ep.record.errors[result.error] = ep.record.errors.get(result.error, 0) + 1
+                    failed = True
                 if call.immediate is None:
                     ep.record.tool_latency_s.append(result.seconds)
                 messages.append({"role": "tool", "name": name, "content": self._cut(result.text)})
+            if failed and lim.on_tool_error == "end":  # ends as the model left it: 'stop', no results shown
+                ep.record.ended_on_error = True
+                continue
             obs = self.encoder.observation_ids(ep.prompt, messages, ep.ids[-1] if ep.ids else None)
             if len(ep.ids) + len(obs) >= lim.max_total_tokens:  # no room for the observation and a reply
                 ep.record.budget_truncated, ep.finish = True, "length"  # the transcript ends as the model saw it
@@ -274,6 +279,7 @@ def episode_metrics(completions: Sequence[Completion]) -> dict[str, float]:
            "agent/tool_token_frac": sum(r.tool_tokens for r in records) / max(tokens, 1),
            "agent/budget_truncated": float(sum(r.budget_truncated for r in records)),
            "agent/max_turns_reached": float(sum(r.max_turns_reached for r in records)),
+           "agent/ended_on_error": float(sum(r.ended_on_error for r in records)),
            "agent/tool_latency_mean_s": sum(latency) / len(latency) if latency else 0.0,
            "agent/tool_latency_max_s": max(latency, default=0.0)}
     drift = [r.retokenize_drift for r in records if r.retokenize_drift is not None]
