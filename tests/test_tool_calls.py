@@ -1,7 +1,10 @@
 """Tool-call parsers: Llama-3 JSON calls read by hand-checked cases, the parser picked from the chat
-template's source, and the prompt block teaching the picked parser's syntax."""
+template's source, the prompt block teaching the picked parser's syntax; what a failed call does
+to an episode (agent.on_tool_error)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
@@ -9,8 +12,8 @@ from rlft.errors import ConfigError
 from rlft.rollout.contract import SamplingParams
 from rlft.rollout.tool_calls import PARSERS, detect_parser, hermes, llama3_json, pick_parser
 from rlft.rollout.tools import load_tools
-from rlft.rollout.turns import AgentLimits, ObservationEncoder, TurnDriver
-from test_agents import ScriptedEngine
+from rlft.rollout.turns import AgentLimits, ObservationEncoder, TurnDriver, episode_metrics
+from test_agents import PROMPT, ScriptedEngine, call_text, driver_for
 
 # Written for these tests in the Llama 3.1 tool style: a system header, the instruction to answer
 # with {"name": ..., "parameters": ...}, tool results in an `ipython` turn. `<|im_end|>` stands in
@@ -124,3 +127,40 @@ def test_an_episode_on_a_llama3_like_template_calls_the_tool_and_reads_the_resul
     turn2_context = tok.decode(engine.contexts[1][0])
     assert turn2_context.endswith("<|start_header_id|>ipython<|end_header_id|>\n\n85<|im_end|>"
                                   "<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+@pytest.mark.parametrize("on_tool_error", ["observe", "end"])
+def test_a_failed_call_is_observed_or_ends_the_episode_by_setting(qwen_path, on_tool_error):
+    """observe: the model reads the error and answers. end: the turn with the failed call is the
+    episode's last (finish 'stop', nothing inserted, the next turn never sampled), and the
+    failure is counted by kind all the same (the good call of that turn ran too)."""
+    from transformers import AutoTokenizer
+
+    policy = SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(qwen_path))
+    calls = call_text("nope", {}) + call_text("calculator", {"expression": "6*7"})
+    driver, engine = driver_for(policy, [calls, "It is 42."], on_tool_error=on_tool_error)
+    [ep] = driver.run([PROMPT], SamplingParams(n=1, max_new_tokens=200))
+    turn1 = engine.sampled[0][0]
+    assert ep.episode.errors == {"unknown_tool": 1} and ep.episode.tool_calls == 2
+    assert ep.finish_reason == "stop"
+    metrics = episode_metrics([ep])
+    assert metrics["agent/errors/unknown_tool"] == 1.0 and metrics["agent/tool_error_rate"] == 0.5
+    if on_tool_error == "observe":
+        assert ep.episode.turns == 2 and ep.text == "It is 42." and not ep.episode.ended_on_error
+        assert [m["content"][:6] for m in ep.episode.messages if m["role"] == "tool"] == ["Error:", "42"]
+        assert metrics["agent/ended_on_error"] == 0.0
+    else:
+        assert len(engine.contexts) == 1 and ep.episode.turns == 1 and ep.episode.ended_on_error
+        assert ep.completion_ids == turn1 and ep.loss_mask == [1] * len(turn1)  # no observation inserted
+        assert ep.episode.messages[-1]["role"] == "assistant" and ep.episode.tool_tokens == 0
+        assert metrics["agent/ended_on_error"] == 1.0
+    # the setting reaches the driver from config; anything else is refused, naming the field
+    from rlft.config import load_config
+    from rlft.rollout import turn_driver
+
+    base = {"method": "grpo", "output_dir": "/tmp/unused", "model": {"path": "x"}, "data": {"train": "x"},
+            "rewards": [{"fn": "math"}]}
+    cfg = load_config({**base, "agent": {"tools": ["calculator"], "on_tool_error": on_tool_error}})
+    assert turn_driver(cfg.agent, engine, policy.tokenizer).limits.on_tool_error == on_tool_error
+    with pytest.raises(ConfigError, match="agent.on_tool_error: input should be 'observe' or 'end'"):
+        load_config({**base, "agent": {"tools": ["calculator"], "on_tool_error": "stop"}})
