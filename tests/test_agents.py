@@ -106,6 +106,32 @@ def test_the_loss_sees_exactly_the_sampled_ids_and_the_observations_between_them
     assert batch.sampling_logprobs[0].tolist() == expected_lp
 
 
+def test_samples_show_each_segment_of_an_episode_with_its_role_and_whether_it_was_trained(tiny):
+    """samples.jsonl's `segments`: the episode's ids cut where the loss mask changes, decoded with
+    the template's markers: turn 1 (trained), the tool result as inserted (untrained), turn 2."""
+    from rlft.rollout.contract import trained_segments
+
+    _, policy = tiny
+    tok = policy.tokenizer
+    driver, engine = driver_for(policy, [call_text("calculator", {"expression": "37 + 48"}), "The answer is 85."])
+    [ep] = driver.run([PROMPT], SamplingParams(n=1, max_new_tokens=200))
+    segments = trained_segments(ep, tok.decode, ep.episode.messages[len(PROMPT):])
+    assert segments == [
+        {"role": "assistant", "text": call_text("calculator", {"expression": "37 + 48"}) + "<|im_end|>", "trained": True},
+        {"role": "tool", "text": "\n<|im_start|>tool\n85<|im_end|>\n<|im_start|>assistant\n", "trained": False},
+        {"role": "assistant", "text": "The answer is 85.<|im_end|>", "trained": True}]
+    assert "".join(s["text"] for s in segments) == tok.decode(ep.completion_ids)
+    # token by token: each segment's ids carry its trained flag in the loss mask
+    runs = [(engine.sampled[0][0], True), (ep.completion_ids[len(engine.sampled[0][0]):-len(engine.sampled[1][0])],
+                                           False), (engine.sampled[1][0], True)]
+    assert ep.loss_mask == [int(trained) for ids, trained in runs for _ in ids]
+    assert [tok.decode(ids) for ids, _ in runs] == [s["text"] for s in segments]
+    # a single-turn completion is one trained assistant segment
+    single = Completion([1], [10, 11], "", [-1.0, -1.0], "stop", 0)
+    assert trained_segments(single, tok.decode, []) == [{"role": "assistant", "text": tok.decode([10, 11]),
+                                                         "trained": True}]
+
+
 def test_a_call_cut_off_by_a_stop_string_is_still_read_from_the_sampled_ids(tiny):
     _, policy = tiny
     driver, engine = driver_for(policy, [call_text("calculator", {"expression": "1+1"}), "2"])
@@ -463,3 +489,6 @@ def test_grpo_with_the_calculator_runs_and_logs_agent_metrics(tiny, tmp_path):
     assert steps[0]["agent/turns_mean"] >= 1
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert samples and all(s["transcript"][0]["role"] == "assistant" and s["turns"] >= 1 for s in samples)
+    for s in samples:  # turns alternate: sampled, then inserted, ...
+        assert [seg["trained"] for seg in s["segments"]] == [k % 2 == 0 for k in range(len(s["segments"]))]
+        assert s["segments"][0]["role"] == "assistant" and len(s["segments"]) <= 2 * s["turns"]

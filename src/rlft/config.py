@@ -399,9 +399,13 @@ class AgentConfig(Section):
     check_drift: bool = Field(
         True, description="Re-render each finished episode through the template and log how many trained tokens "
                           "differ from it (agent/retokenize_drift): what re-tokenising would have trained on.")
-    parser: Literal["auto", "hermes"] = Field(
-        "auto", description="Tool-call syntax: hermes = <tool_call>{json}</tool_call> (Qwen, Hermes); auto picks it "
-                            "from the chat template.")
+    parser: Literal["auto", "hermes", "llama3_json"] = Field(
+        "auto", description="Tool-call syntax: hermes = <tool_call>{json}</tool_call> (Qwen, Hermes); llama3_json = "
+                            "the whole turn is {\"name\": ..., \"parameters\": {...}} (Llama 3.1-3.3); auto picks "
+                            "from the chat template (hermes when it names neither).")
+    on_tool_error: Literal["observe", "end"] = Field(
+        "observe", description="A turn whose calls include a failed one: observe = the model reads the error results "
+                               "and goes on; end = the episode ends there (finish 'stop', nothing inserted).")
 
 
 class TeacherConfig(Section):

@@ -59,7 +59,7 @@ def turn_driver(cfg: AgentConfig, engine: Engine, tokenizer: Any) -> Any:
 
     limits = AgentLimits(max_turns=cfg.max_turns, max_total_tokens=cfg.max_total_tokens,
                          max_tool_output_tokens=cfg.max_tool_output_tokens, tool_timeout_s=cfg.tool_timeout_s,
-                         max_calls_per_turn=cfg.max_calls_per_turn)
+                         max_calls_per_turn=cfg.max_calls_per_turn, on_tool_error=cfg.on_tool_error)
     return TurnDriver(engine, tokenizer, load_tools(cfg.tools), pick_parser(cfg.parser, tokenizer.chat_template),
                       limits, cfg.check_drift)
 

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 from rlft.errors import ConfigError
 from rlft.models.template import Messages, encode_text, end_of_turn_ids
 from rlft.rollout.contract import Completion, Engine, Episode, SamplingParams
-from rlft.rollout.tool_calls import Parser
+from rlft.rollout.tool_calls import Parser, hermes
 from rlft.rollout.tools import ERROR_KINDS, PendingCall, Tool, ToolResult, start_call
 
 _MARKER = "\x00RLFT_ASSISTANT\x00"
@@ -43,8 +43,8 @@ _PROBE: Messages = [{"role": "user", "content": "What is 2 + 3?"}]
 
 TOOLS_BLOCK = (
     "You can call tools. Their JSON schemas:\n<tools>\n{schemas}\n</tools>\n"
-    "To call a tool, write <tool_call>{{\"name\": <tool name>, \"arguments\": <JSON object>}}</tool_call> "
-    "and end your turn; each result comes back in a tool message. When you are done, answer without a call.")
+    "To call a tool, {syntax} and end your turn; each result comes back in a tool message. When you are done, "
+    "answer without a call.")
 
 
 @dataclass(frozen=True)
@@ -54,14 +54,16 @@ class AgentLimits:
     max_tool_output_tokens: int = 256
     tool_timeout_s: float = 10.0
     max_calls_per_turn: int = 4
+    on_tool_error: str = "observe"  # 'end': a turn with a failed call ends the episode (agent.on_tool_error)
 
 
 class ObservationEncoder:
     """Prompts and observations through the chat template, tools presented the template's way (its
-    `tools=` argument) or, for a template without tool support, as a system block (TOOLS_BLOCK)."""
+    `tools=` argument) or, for a template without tool support, as a system block (TOOLS_BLOCK)
+    that teaches `call_syntax`, the parser's own (tool_calls.py)."""
 
-    def __init__(self, tokenizer: Any, schemas: list[dict[str, Any]]):
-        self.tokenizer, self.schemas = tokenizer, schemas
+    def __init__(self, tokenizer: Any, schemas: list[dict[str, Any]], call_syntax: str = hermes.syntax):
+        self.tokenizer, self.schemas, self.call_syntax = tokenizer, schemas, call_syntax
         plain = self._apply(_PROBE, True, None)
         self.native_tools = bool(schemas) and self._apply(_PROBE, True, schemas) != plain
         self.eot_ids = set(end_of_turn_ids(tokenizer))
@@ -74,7 +76,7 @@ class ObservationEncoder:
     def with_tools(self, messages: Messages) -> Messages:
         if not self.schemas or self.native_tools:
             return list(messages)
-        block = TOOLS_BLOCK.format(schemas="\n".join(json.dumps(s) for s in self.schemas))
+        block = TOOLS_BLOCK.format(schemas="\n".join(json.dumps(s) for s in self.schemas), syntax=self.call_syntax)
         if messages and messages[0]["role"] == "system":
             return [{**messages[0], "content": messages[0]["content"] + "\n\n" + block}, *messages[1:]]
         return [{"role": "system", "content": block}, *messages]
@@ -133,7 +135,7 @@ class TurnDriver:
         self.engine, self.tokenizer, self.parser, self.limits = engine, tokenizer, parser, limits
         self.check_drift = check_drift
         self.tools = {t.name: t for t in tools}
-        self.encoder = ObservationEncoder(tokenizer, [t.schema for t in tools])
+        self.encoder = ObservationEncoder(tokenizer, [t.schema for t in tools], parser.syntax)
 
     def run(self, prompts: Sequence[Messages], params: SamplingParams, first_prompt: int = 0) -> list[Completion]:
         lim = self.limits
@@ -212,8 +214,8 @@ class TurnDriver:
                     result = ToolResult(f"Error: at most {lim.max_calls_per_turn} tool calls per turn",
                                         "too_many_calls")
                 elif call.error is not None:
-                    result = ToolResult("Error: the tool call is not valid JSON of the form "
-                                        '{"name": ..., "arguments": {...}}', call.error)
+                    result = ToolResult(f"Error: the tool call could not be read; to call a tool, {self.parser.syntax}",
+                                        call.error)
                 else:
                     started.append((call.name, start_call(self.tools, call.name, call.arguments)))
                     continue
@@ -221,15 +223,19 @@ class TurnDriver:
             pending.append(started)
         going_on = []
         for (ep, calls), started in zip(wanting, pending):
-            messages = []
+            messages, failed = [], False
             for name, call in started:
                 result = call.result(lim.tool_timeout_s)
                 ep.record.tool_calls += 1
                 if result.error is not None:
                     ep.record.errors[result.error] = ep.record.errors.get(result.error, 0) + 1
+                    failed = True
                 if call.immediate is None:
                     ep.record.tool_latency_s.append(result.seconds)
                 messages.append({"role": "tool", "name": name, "content": self._cut(result.text)})
+            if failed and lim.on_tool_error == "end":  # ends as the model left it: 'stop', no results shown
+                ep.record.ended_on_error = True
+                continue
             obs = self.encoder.observation_ids(ep.prompt, messages, ep.ids[-1] if ep.ids else None)
             if len(ep.ids) + len(obs) >= lim.max_total_tokens:  # no room for the observation and a reply
                 ep.record.budget_truncated, ep.finish = True, "length"  # the transcript ends as the model saw it
@@ -273,6 +279,7 @@ def episode_metrics(completions: Sequence[Completion]) -> dict[str, float]:
            "agent/tool_token_frac": sum(r.tool_tokens for r in records) / max(tokens, 1),
            "agent/budget_truncated": float(sum(r.budget_truncated for r in records)),
            "agent/max_turns_reached": float(sum(r.max_turns_reached for r in records)),
+           "agent/ended_on_error": float(sum(r.ended_on_error for r in records)),
            "agent/tool_latency_mean_s": sum(latency) / len(latency) if latency else 0.0,
            "agent/tool_latency_max_s": max(latency, default=0.0)}
     drift = [r.retokenize_drift for r in records if r.retokenize_drift is not None]

@@ -34,6 +34,7 @@ from rlft.monitor.stats import MetricAccumulator
 from rlft.rewards.scoring import RewardScorer, Scores
 from rlft.rollout import rollout_dtype, rollout_engine, sampling_params, turn_driver
 from rlft.rollout.batch import RolloutBatch
+from rlft.rollout.contract import trained_segments
 from rlft.training.collect import Rollout, collect_rollout
 from rlft.training.critic import Critic, build_critic
 from rlft.training.rl_update import UpdateSettings, policy_update, reference_logprobs, token_rewards
@@ -372,8 +373,9 @@ def _log_samples(session: TrainingSession, rollout: Rollout, num_samples: int, e
                         "components": {k: v[i] for k, v in rollout.scores.components.items()}})
         episode = getattr(c, "episode", None)
         if episode is not None:  # a multi-turn episode: its assistant and tool turns, in order
-            records[-1].update(transcript=episode.messages[len(e.messages):], turns=episode.turns,
-                               tool_calls=episode.tool_calls)
+            transcript = episode.messages[len(e.messages):]
+            records[-1].update(transcript=transcript, turns=episode.turns, tool_calls=episode.tool_calls,
+                               segments=trained_segments(c, session.policy.tokenizer.decode, transcript))
     session.log_samples(records)
     if records:
         r = records[0]
