@@ -101,14 +101,16 @@ class MixSource(Section):
 
 class DataConfig(Section):
     train: str | list[MixSource] = Field(
-        description="Training data: a .jsonl/.json/.parquet file, a saved HF dataset folder, or 'hf:NAME'; or a "
-                    "list of sources mixed in set proportions: [{path, weight}] or [{path, rows}] (optional name).")
+        description="Training data: a .jsonl/.json/.parquet file, a saved HF dataset folder, 'hf:NAME', or "
+                    "'reasoning_gym:TASK?size=N&eval_size=M&seed=S&SETTING=VALUE' (generated tasks); or a list of "
+                    "sources mixed in set proportions: [{path, weight}] or [{path, rows}] (optional name).")
     mix_epoch_size: int | None = Field(
         None, ge=1, description="Mixed sources: rows per epoch (default: the fixed 'rows' plus every weighted "
                                 "source's own size).")
     eval: str | None = Field(None, description="Held-out data in the same format; used for eval loss / accuracy.")
     split: str = Field("train", description="Split to read from an HF dataset given as 'hf:NAME'.")
-    eval_split: str | None = Field(None, description="Split for `eval` when it is 'hf:NAME'.")
+    eval_split: str | None = Field(None, description="Split for `eval` when it is 'hf:NAME' (a 'reasoning_gym:' eval: "
+                                                     "'test', its held-out rows, unless set).")
     max_prompt_length: int = Field(512, ge=1, description="Longest prompt in tokens; longer rows are reported.")
     max_length: int = Field(1024, ge=2, description="Longest prompt+answer in tokens for offline methods.")
     shuffle: bool = Field(True, description="Shuffle training rows each epoch (seeded).")
@@ -125,6 +127,13 @@ class DataConfig(Section):
         if not isinstance(value, str):
             return value  # a list of sources: each MixSource resolves its own path
         return paths.data_location(_local(value, f"data.{info.field_name}"))
+
+    @model_validator(mode="after")
+    def _held_out_generated_rows(self) -> "DataConfig":
+        # the same generator location on both sides must not evaluate on the training questions
+        if self.eval and self.eval.startswith("reasoning_gym:") and self.eval_split is None:
+            self.eval_split = "test"
+        return self
 
 
 class TrainingConfig(Section):
