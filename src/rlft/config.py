@@ -391,12 +391,21 @@ class CriticConfig(Section):
 
 
 class AgentConfig(Section):
-    """Multi-turn rollouts with tools (online methods, rollout.engine=hf, one process): each
-    assistant turn is sampled, its tool calls run, their results inserted (never trained on)."""
+    """Multi-turn rollouts with tools and/or an environment (online methods, rollout.engine=hf, one
+    process): each assistant turn is sampled, its tool calls run, their results inserted (never
+    trained on); a turn without calls is the environment's action, its observation inserted alike."""
 
     tools: list[str] = Field(
+        default_factory=list,
         description="Tools the model may call: built-in 'calculator', or 'module:function' / 'file.py:function' "
                     "(type hints and a docstring with Args: give the schema the template shows).")
+    environment: str | None = Field(
+        None, description="What answers a turn without tool calls: 'module:Class' / 'file.py:Class' (reset(**row), "
+                          "step(text) -> (observation, reward, done); see rlft/rollout/environments.py) or "
+                          "'gem:<env id>' (gem-llm's games, e.g. gem:game:GuessTheNumber-v0-easy; pip install "
+                          "'rlft[gem]'). One instance per episode, made as Class(seed=..., **environment_args).")
+    environment_args: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for the environment's class (for gem: gem.make).")
     max_turns: int = Field(4, ge=1, description="Assistant turns per episode (each at most rollout.max_new_tokens); "
                                                 "a call on the last one is not run.")
     max_total_tokens: int = Field(
@@ -415,6 +424,29 @@ class AgentConfig(Section):
     on_tool_error: Literal["observe", "end"] = Field(
         "observe", description="A turn whose calls include a failed one: observe = the model reads the error results "
                                "and goes on; end = the episode ends there (finish 'stop', nothing inserted).")
+
+    @field_validator("environment")
+    @classmethod
+    def _environment_ref(cls, value: str | None) -> str | None:
+        if value is None or value.startswith("gem:"):
+            if value == "gem:":
+                raise ValueError("agent.environment 'gem:' names no environment; write e.g. "
+                                 "gem:game:GuessTheNumber-v0-easy")
+            return value
+        target, sep, attr = value.rpartition(":")
+        if not sep or not target or not attr:
+            raise ValueError(f"agent.environment {value!r}: write it as 'module:Class', 'path/file.py:Class' or "
+                             "'gem:<env id>'")
+        if target.endswith(".py"):
+            _local(target, f"agent.environment {value!r}")
+        return paths.function_ref(value)
+
+    @model_validator(mode="after")
+    def _tools_or_environment(self) -> "AgentConfig":
+        if not self.tools and self.environment is None:
+            raise ValueError("agent: give tools (agent.tools) or an environment (agent.environment), or both; "
+                             "without either an episode is one turn (drop the agent section)")
+        return self
 
 
 class TeacherConfig(Section):
@@ -628,7 +660,8 @@ class Config(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     rewards: list[RewardSpec] = Field(default_factory=list, description="Reward components (online methods).")
-    agent: AgentConfig | None = Field(None, description="Multi-turn rollouts with tools (None: single-turn).")
+    agent: AgentConfig | None = Field(
+        None, description="Multi-turn rollouts with tools and/or an environment (None: single-turn).")
     scoring: ScoringConfig = Field(default_factory=ScoringConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -691,6 +724,10 @@ class Config(Section):
             if self.rollout.engine != "hf":
                 raise ValueError("agent: multi-turn rollouts run on rollout.engine=hf only so far (the vLLM engine is "
                                  "not tested with them); set rollout.engine: hf")
+        env_rewards = [r.component for r in self.rewards if r.fn == "environment"]
+        if env_rewards and (self.agent is None or self.agent.environment is None):
+            raise ValueError(f"rewards: {env_rewards[0]!r} (fn: environment) scores by an environment's rewards, "
+                             "and agent.environment is not set; set it, or drop that reward")
         if self.eval.suites and self.method == "reward_model":
             raise ValueError("eval.suites evaluate a policy's generations; a reward model does not generate "
                              "(its held-out metrics come from data.eval)")

@@ -121,8 +121,10 @@ def score_completions(scorer: "RewardScorer", examples: list[Any], completions: 
     conversation and rendered prompt; a Completion: text, finish reason, token count)."""
     rows = [scoring_row(e.fields, c.finish_reason, len(c.completion_ids), max_new_tokens, e.messages, e.rendered)
             if c.episode is None else episode_row(e, c, max_new_tokens) for e, c in zip(examples, completions)]
-    return scorer.score([e.prompt_text for e in examples], [c.text for c in completions], rows,
-                        [e.where for e in examples])
+    # an environment's first observation took the place of the row's last message: it is the question
+    prompts = [e.prompt_text if c.episode is None else c.episode.messages[len(e.messages) - 1]["content"]
+               for e, c in zip(examples, completions)]
+    return scorer.score(prompts, [c.text for c in completions], rows, [e.where for e in examples])
 
 
 def episode_row(example: Any, completion: Any, max_new_tokens: int) -> dict[str, Any]:
@@ -130,11 +132,15 @@ def episode_row(example: Any, completion: Any, max_new_tokens: int) -> dict[str,
     then assistant turns with their `tool_calls` and the `tool` results); the positional
     `completion` is the last assistant turn; `turns`, `tool_calls` and `tool_errors` count.
     `completion_tokens` counts every token after the prompt and `max_new_tokens` is the episode's
-    budget they share (so length shaping such as `overlong` measures the whole episode)."""
+    budget they share (so length shaping such as `overlong` measures the whole episode). With an
+    environment: `env_rewards` (per step), `env_done` (it ended the episode, no limit did) and
+    `env_final` (the last step's observation, when the model never saw it)."""
     ep = completion.episode
     row = scoring_row(example.fields, completion.finish_reason, len(completion.completion_ids),
                       ep.max_tokens or max_new_tokens, ep.messages, example.rendered)
     row.update(turns=ep.turns, tool_calls=ep.tool_calls, tool_errors=sum(ep.errors.values()))
+    if ep.env_rewards is not None:
+        row.update(env_rewards=list(ep.env_rewards), env_done=ep.env_done, env_final=ep.env_final)
     return row
 
 

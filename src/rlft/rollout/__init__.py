@@ -51,8 +51,11 @@ def rollout_dtype(name: str, precision: Any, device: torch.device | None = None)
     return None if dtype in (None, precision.weight_dtype) else dtype
 
 
-def turn_driver(cfg: AgentConfig, engine: Engine, tokenizer: Any) -> Any:
-    """The multi-turn driver `agent` configures: its tools loaded and checked, its parser chosen."""
+def turn_driver(cfg: AgentConfig, engine: Engine, tokenizer: Any, seed: int = 0,
+                max_prompt_tokens: int | None = None) -> Any:
+    """The multi-turn driver `agent` configures: its tools loaded and checked, its parser chosen, its
+    environment loaded and checked (its episodes seeded from the run's `seed`)."""
+    from rlft.rollout.environments import load_environment
     from rlft.rollout.tool_calls import pick_parser
     from rlft.rollout.tools import load_tools
     from rlft.rollout.turns import AgentLimits, TurnDriver
@@ -60,8 +63,10 @@ def turn_driver(cfg: AgentConfig, engine: Engine, tokenizer: Any) -> Any:
     limits = AgentLimits(max_turns=cfg.max_turns, max_total_tokens=cfg.max_total_tokens,
                          max_tool_output_tokens=cfg.max_tool_output_tokens, tool_timeout_s=cfg.tool_timeout_s,
                          max_calls_per_turn=cfg.max_calls_per_turn, on_tool_error=cfg.on_tool_error)
+    environment = None if cfg.environment is None else \
+        load_environment(cfg.environment, cfg.environment_args, seed, max_prompt_tokens)
     return TurnDriver(engine, tokenizer, load_tools(cfg.tools), pick_parser(cfg.parser, tokenizer.chat_template),
-                      limits, cfg.check_drift)
+                      limits, cfg.check_drift, environment)
 
 
 def sampling_params(cfg: RolloutConfig) -> SamplingParams:

@@ -60,17 +60,22 @@ def trained_segments(completion: Completion, decode: Callable[[list[int]], str],
 class Episode:
     """What happened in one multi-turn episode, for rewards and metrics."""
 
-    messages: list[dict[str, Any]]  # the whole transcript: the prompt conversation, then assistant / tool turns
+    messages: list[dict[str, Any]]  # the whole transcript: the prompt conversation, then assistant / tool / user turns
     turns: int = 0  # assistant turns sampled
     tool_calls: int = 0  # calls parsed (well-formed or not)
     errors: dict[str, int] = field(default_factory=dict)  # failed calls by kind (see rollout/tools.py)
     tool_tokens: int = 0  # inserted (loss-masked) tokens
     budget_truncated: bool = False  # an observation would have overflowed agent.max_total_tokens
-    max_turns_reached: bool = False  # the last allowed turn still asked for tools
+    max_turns_reached: bool = False  # the last allowed turn still asked for tools, or its environment was not done
     ended_on_error: bool = False  # a call failed and agent.on_tool_error is 'end'
     tool_latency_s: list[float] = field(default_factory=list)  # per call
     max_tokens: int = 0  # the episode's token budget (what `max_new_tokens` is to one turn)
     retokenize_drift: int | None = None  # trained tokens after the first one a re-render differs at (None: unchecked)
+    # with an environment (rollout/environments.py); env_rewards is None without one
+    env_rewards: list[float] | None = None  # per step, in order
+    env_done: bool = False  # the environment ended the episode (not a turn or token limit)
+    env_tokens: int = 0  # inserted (loss-masked) observation tokens
+    env_final: str | None = None  # the last step's observation when it was not shown (the episode ended there)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,10 @@
 
     prompt -> [sample a turn -> parse calls -> run tools -> insert the observation]* -> Completion
 
+With an environment (rollout/environments.py), a turn without tool calls is its action instead:
+the environment steps on the turn's text, its reward is recorded, and its observation is inserted
+as a `user` message the same way, until it is done.
+
 Token-in, token-out: the sequence trained on is the prompt, then each turn's sampled ids as the
 engine returned them, then each observation's ids, encoded once. History is never decoded and
 re-encoded (the drift behind trl#5224 and verl#3720), so what the loss sees is what was sampled.
@@ -35,6 +39,7 @@ from typing import Any, Sequence
 from rlft.errors import ConfigError
 from rlft.models.template import Messages, encode_text, end_of_turn_ids
 from rlft.rollout.contract import Completion, Engine, Episode, SamplingParams
+from rlft.rollout.environments import EnvironmentSource, EpisodeEnv, EpisodeRow, env_metrics
 from rlft.rollout.tool_calls import Parser, hermes
 from rlft.rollout.tools import ERROR_KINDS, PendingCall, Tool, ToolResult, start_call
 
@@ -124,6 +129,7 @@ class _Live:
     record: Episode | None = None
     last_text: str = ""
     finish: str = "stop"
+    env: EpisodeEnv | None = None  # its environment instance, if the driver has one
 
 
 class TurnDriver:
@@ -131,16 +137,22 @@ class TurnDriver:
     grouped by prompt like `Engine.generate`, each one whole episode."""
 
     def __init__(self, engine: Engine, tokenizer: Any, tools: list[Tool], parser: Parser,
-                 limits: AgentLimits = AgentLimits(), check_drift: bool = True):
+                 limits: AgentLimits = AgentLimits(), check_drift: bool = True,
+                 environment: EnvironmentSource | None = None):
         self.engine, self.tokenizer, self.parser, self.limits = engine, tokenizer, parser, limits
-        self.check_drift = check_drift
+        self.check_drift, self.environment = check_drift, environment
         self.tools = {t.name: t for t in tools}
         self.encoder = ObservationEncoder(tokenizer, [t.schema for t in tools], parser.syntax)
 
-    def run(self, prompts: Sequence[Messages], params: SamplingParams, first_prompt: int = 0) -> list[Completion]:
+    def run(self, prompts: Sequence[Messages], params: SamplingParams, first_prompt: int = 0,
+            rows: Sequence[EpisodeRow] | None = None) -> list[Completion]:
+        """`rows`: each prompt's row, which an environment is started from (default: no fields)."""
         lim = self.limits
+        prompts, envs = self._start_environments(prompts, params.n, first_prompt, rows)
         prompt_ids = [self.encoder.prompt_ids(m) for m in prompts]
-        live = [_Live(i * params.n + k, i, list(m), ids, record=Episode(list(m), max_tokens=lim.max_total_tokens))
+        live = [_Live(i * params.n + k, i, list(m), ids, env=envs[i][k],
+                      record=Episode(list(m), max_tokens=lim.max_total_tokens,
+                                     env_rewards=None if envs[i][k] is None else []))
                 for i, (m, ids) in enumerate(zip(prompts, prompt_ids)) for k in range(params.n)]
         episodes, turn = list(live), 0
         while live:
@@ -153,15 +165,52 @@ class TurnDriver:
             outs = self.engine.generate(contexts, turn_params,
                                         first_prompt=first_prompt if turn == 1 else first_prompt * params.n)
             wanting: list[tuple[_Live, list]] = []
+            acting: list[_Live] = []  # turns without calls that an environment answers
             for ep, out in zip(live, outs):
                 calls = self._take_turn(ep, out, turn, params.stop)
                 if calls:
                     wanting.append((ep, calls))
-            live = self._insert_observations(wanting)
+                elif ep.env is not None and ep.finish == "stop" and not ep.record.max_turns_reached:
+                    acting.append(ep)  # (a turn cut by a length limit is no finished action)
+            going_on = self._insert_observations(wanting) + self._step_environments(acting, turn)
+            live = sorted(going_on, key=lambda e: e.index)  # episode order names the next round's streams
         if self.check_drift:
             for ep in episodes:
                 ep.record.retokenize_drift = self._drift(ep)
         return [self._completion(e) for e in episodes]
+
+    def _start_environments(self, prompts: Sequence[Messages], n: int, first_prompt: int,
+                            rows: Sequence[EpisodeRow] | None) -> tuple[list[Messages], list[list]]:
+        """Each prompt's group of environment instances, reset, and its prompt (a first observation
+        takes the place of the row's last message); [None] * n per prompt without an environment."""
+        if self.environment is None:
+            return list(prompts), [[None] * n for _ in prompts]
+        rows = rows or [EpisodeRow(f"prompt {first_prompt + i}", {}, first_prompt + i) for i in range(len(prompts))]
+        started = [self.environment.start(m, row, n) for m, row in zip(prompts, rows)]
+        for (messages, _), row in zip(started, rows):
+            self.environment.check_prompt(row, len(self.encoder.prompt_ids(messages)))
+        return [m for m, _ in started], [envs for _, envs in started]
+
+    def _step_environments(self, acting: list[_Live], turn: int) -> list[_Live]:
+        """Step each episode's environment on its turn's text; the episodes that go on, with the
+        observation inserted as a user message."""
+        going_on = []
+        for ep in acting:
+            result = ep.env.step(ep.last_text)
+            record = ep.record
+            record.env_rewards.append(result.reward)
+            # the last allowed turn's action still earns its reward; its observation has no reader
+            if result.done or turn >= self.limits.max_turns:
+                record.env_done, record.max_turns_reached = result.done, not result.done
+                record.env_final = result.observation
+                continue
+            inserted = self._insert(ep, [{"role": "user", "content": result.observation}])
+            if inserted is None:
+                record.env_final = result.observation
+                continue
+            record.env_tokens += inserted
+            going_on.append(ep)
+        return going_on
 
     def _drift(self, ep: _Live) -> int:
         """Trained tokens from the first one where the re-rendered transcript's tokens differ."""
@@ -236,17 +285,24 @@ class TurnDriver:
             if failed and lim.on_tool_error == "end":  # ends as the model left it: 'stop', no results shown
                 ep.record.ended_on_error = True
                 continue
-            obs = self.encoder.observation_ids(ep.prompt, messages, ep.ids[-1] if ep.ids else None)
-            if len(ep.ids) + len(obs) >= lim.max_total_tokens:  # no room for the observation and a reply
-                ep.record.budget_truncated, ep.finish = True, "length"  # the transcript ends as the model saw it
-                continue
-            ep.record.messages += messages
-            ep.ids += obs
-            ep.logprobs += [0.0] * len(obs)
-            ep.mask += [0] * len(obs)
-            ep.record.tool_tokens += len(obs)
-            going_on.append(ep)
+            inserted = self._insert(ep, messages)
+            if inserted is not None:
+                ep.record.tool_tokens += inserted
+                going_on.append(ep)
         return going_on
+
+    def _insert(self, ep: _Live, messages: Messages) -> int | None:
+        """Append an observation (its ids encoded once, loss-masked) and its messages; the number of
+        ids inserted, or None when it would leave no room for a reply (the episode ends there)."""
+        obs = self.encoder.observation_ids(ep.prompt, messages, ep.ids[-1] if ep.ids else None)
+        if len(ep.ids) + len(obs) >= self.limits.max_total_tokens:
+            ep.record.budget_truncated, ep.finish = True, "length"  # the transcript ends as the model saw it
+            return None
+        ep.record.messages += messages
+        ep.ids += obs
+        ep.logprobs += [0.0] * len(obs)
+        ep.mask += [0] * len(obs)
+        return len(obs)
 
     def _cut(self, text: str) -> str:
         """Tool output beyond max_tool_output_tokens is cut there, with a marker the model can read."""
@@ -287,4 +343,5 @@ def episode_metrics(completions: Sequence[Completion]) -> dict[str, float]:
         out["agent/retokenize_drift"] = sum(drift) / len(drift)
         out["agent/retokenize_drift_frac"] = sum(d > 0 for d in drift) / len(drift)
     out.update({f"agent/errors/{kind}": float(count) for kind, count in errors.items()})
+    out.update(env_metrics(records))
     return out

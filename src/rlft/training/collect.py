@@ -19,6 +19,7 @@ from rlft.data.order import PromptSampler
 from rlft.data.prompts import PromptExample
 from rlft.rewards.scoring import RewardScorer, Scores, score_completions
 from rlft.rollout.contract import Completion, Engine, SamplingParams
+from rlft.rollout.environments import EpisodeRow
 from rlft.rollout.turns import TurnDriver, episode_metrics
 from rlft.training.distributed import SINGLE, World
 
@@ -50,6 +51,7 @@ def collect_rollout(engine: Engine, sampler: PromptSampler, prompts: list[Prompt
     while True:
         rounds += 1
         need = prompts_per_step - int(world.sum([len({g for *_, g in kept})])[0])
+        first_draw = sampler.drawn
         drawn = [prompts[i] for i in sampler.take(need)]
         first, stop = world.share(len(drawn))
         chosen = drawn[first:stop]
@@ -57,7 +59,8 @@ def collect_rollout(engine: Engine, sampler: PromptSampler, prompts: list[Prompt
         if not chosen:
             completions = []
         elif driver is not None:
-            completions = driver.run([e.messages for e in chosen], params, first_prompt=next_group + first)
+            rows = [EpisodeRow(e.where, e.fields, first_draw + first + j) for j, e in enumerate(chosen)]
+            completions = driver.run([e.messages for e in chosen], params, first_prompt=next_group + first, rows=rows)
         else:
             completions = engine.generate([e.prompt_ids for e in chosen], params, first_prompt=next_group + first)
         t_gen += time.perf_counter() - start

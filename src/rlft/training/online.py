@@ -24,7 +24,7 @@ from rlft.data.order import PromptSampler
 from rlft.data.prompts import PromptExample, make_prompt_encoder
 from rlft.data.readers import read_rows
 from rlft.data.validate import check_rows
-from rlft.errors import ConfigError, DataError, RewardError, TrainingHalted
+from rlft.errors import ConfigError, DataError, EnvironmentFailed, RewardError, TrainingHalted
 from rlft.eval.generation import evaluate_prompts
 from rlft.eval.suites import prepare_suites
 from rlft.models.loading import Reference, disable_dropout, load_policy, resolve_device
@@ -101,7 +101,7 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
         if world.active:  # untested: episodes per rank and their sampling streams across ranks
             raise ConfigError("agent: multi-turn rollouts run in one process so far; launch without torchrun "
                               "(or drop the agent section)")
-        driver = turn_driver(config.agent, engine, policy.tokenizer)
+        driver = turn_driver(config.agent, engine, policy.tokenizer, config.seed, d.max_prompt_length)
         _check_prompts_with_tools(driver, prompts, d.max_prompt_length)
     kl_ctl = make_kl_controller(a.kl_coef, a.kl_target, a.kl_adapt_factor, a.kl_controller, a.kl_horizon)
     sampler = PromptSampler(len(train_rows), config.seed, d.shuffle, order=train_rows.order)
@@ -130,7 +130,7 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
             except ScoringInterrupted:  # Ctrl-C while rewards ran: finish() saves the last completed step
                 step_start.restore()
                 break
-            except RewardError as exc:
+            except (RewardError, EnvironmentFailed) as exc:
                 _halt(session, step_start, str(exc))
             rollout.metrics.update(world_sums(world, _scoring_report(session, scorer)))
             _check_infra(session, rollout, sc.max_infra_error_rate, step_start)
@@ -336,8 +336,8 @@ def _evaluate(session: TrainingSession, engine: Any, evals: list[PromptExample],
 
 
 def _halt(session: TrainingSession, step_start: "_StepStart | None", message: str) -> None:
-    """Stop the run on a reward failure, saving the last completed step (its state as it was when
-    that step ended: the abandoned step's rollout is undone first)."""
+    """Stop the run on a reward or environment failure, saving the last completed step (its state
+    as it was when that step ended: the abandoned step's rollout is undone first)."""
     if step_start is not None:
         step_start.restore()
     path = session.save_checkpoint() if session.step > 0 else None
@@ -376,6 +376,9 @@ def _log_samples(session: TrainingSession, rollout: Rollout, num_samples: int, e
             transcript = episode.messages[len(e.messages):]
             records[-1].update(transcript=transcript, turns=episode.turns, tool_calls=episode.tool_calls,
                                segments=trained_segments(c, session.policy.tokenizer.decode, transcript))
+        if episode is not None and episode.env_rewards is not None:  # the prompt may be its first observation
+            records[-1].update(prompt=episode.messages[len(e.messages) - 1]["content"], env_rewards=episode.env_rewards,
+                               env_done=episode.env_done, env_final=episode.env_final)
     session.log_samples(records)
     if records:
         r = records[0]
