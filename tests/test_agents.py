@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from conftest import ScriptedEngine, call_text
 from rlft.errors import ConfigError
 from rlft.models.template import encode_text
 from rlft.rollout.batch import RolloutBatch
@@ -35,40 +36,6 @@ def tiny(tmp_path_factory):
 
     path = build_tiny_model(tmp_path_factory.mktemp("agents") / "model", seed=0)
     return path, load_policy(ModelConfig(path=str(path), device="cpu"), LoraConfig())
-
-
-def call_text(name: str, arguments) -> str:
-    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
-
-
-class ScriptedEngine:
-    """Turn t of every episode samples `script[t]` (text, encoded once, then end-of-turn); each
-    sampled token's log-prob is -(1 + its position) so that a misplaced one shows."""
-
-    def __init__(self, tokenizer, script: list[str], end_turn: bool = True):
-        self.tok, self.end_turn = tokenizer, end_turn
-        eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        # a turn is text (encoded the tokenizer's way) or raw ids (any split the model might sample)
-        self.turns = [(encode_text(tokenizer, t) if isinstance(t, str) else list(t)) + ([eot] if end_turn else [])
-                      for t in script]
-        self.contexts: list[list[list[int]]] = []  # per call: the contexts it continued
-        self.sampled: list[list[list[int]]] = []  # per call: the ids it returned per row
-
-    def generate(self, prompts, params: SamplingParams, first_prompt: int = 0) -> list[Completion]:
-        turn = len(self.contexts)
-        self.contexts.append([list(p) for p in prompts])
-        out = []
-        for i, p in enumerate(prompts):
-            for _ in range(params.n):
-                ids = self.turns[turn][: params.max_new_tokens]
-                finish = "stop" if len(ids) == len(self.turns[turn]) and self.end_turn else "length"
-                text = self.tok.decode(ids, skip_special_tokens=True)
-                for s in params.stop:  # as the HF engine: the text ends before a stop string, the ids do not
-                    text = text.split(s)[0]
-                out.append(Completion(list(p), ids, text,
-                                      [-(1.0 + k) for k in range(len(ids))], finish, i))
-        self.sampled.append([c.completion_ids for c in out])
-        return out
 
 
 def driver_for(policy, script, tools=("calculator",), end_turn=True, **limits):
@@ -449,8 +416,9 @@ def test_bad_tools_and_unsupported_setups_are_clear_errors(tmp_path):
             "rewards": [{"fn": "math"}], "agent": {"tools": ["calculator"]}}
     # Dr. GRPO's constant normaliser is the longest completion: with tools, the episode budget
     assert load_config({**base, "method": "dr_grpo"}).algorithm.loss_constant == 1024
-    with pytest.raises(ConfigError, match="online"):
-        load_config({**base, "method": "sft"})
+    with pytest.raises(ConfigError, match="online rollouts and in SFT"):
+        load_config({**base, "method": "dpo"})
+    assert load_config({**base, "method": "sft"}).agent.tools == ["calculator"]  # SFT on tool-use transcripts
     with pytest.raises(ConfigError, match="engine=hf"):
         load_config({**base, "method": "grpo", "rollout": {"engine": "vllm"}})
 

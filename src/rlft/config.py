@@ -393,7 +393,11 @@ class CriticConfig(Section):
 class AgentConfig(Section):
     """Multi-turn rollouts with tools and/or an environment (online methods, rollout.engine=hf, one
     process): each assistant turn is sampled, its tool calls run, their results inserted (never
-    trained on); a turn without calls is the environment's action, its observation inserted alike."""
+    trained on); a turn without calls is the environment's action, its observation inserted alike.
+    With method sft (the cold start on tool-use transcripts): `tools` and `parser` say how the
+    rows are shown (the tools in the prompt, each call in the parser's syntax) and
+    `max_tool_output_tokens` cuts results as rollouts do; the environment and the episode limits apply to
+    rollouts only."""
 
     tools: list[str] = Field(
         default_factory=list,
@@ -718,10 +722,11 @@ class Config(Section):
         if self.algorithm.sft_mix and not self.is_online:
             raise ValueError(f"algorithm.sft_mix adds an SFT loss to online RL; method {self.method} does not use it")
         if self.agent is not None:
-            if not self.is_online:
-                raise ValueError(f"agent: tools are used in online rollouts; method {self.method} does not sample "
-                                 "(drop the agent section, or use an online method such as grpo)")
-            if self.rollout.engine != "hf":
+            if not self.is_online and self.method != "sft":
+                raise ValueError(f"agent: tools are used in online rollouts and in SFT on tool-use transcripts; "
+                                 f"method {self.method} does neither (drop the agent section, or use sft or an "
+                                 "online method such as grpo)")
+            if self.is_online and self.rollout.engine != "hf":
                 raise ValueError("agent: multi-turn rollouts run on rollout.engine=hf only so far (the vLLM engine is "
                                  "not tested with them); set rollout.engine: hf")
         env_rewards = [r.component for r in self.rewards if r.fn == "environment"]

@@ -69,10 +69,20 @@ def turn_driver(cfg: AgentConfig, engine: Engine, tokenizer: Any, seed: int = 0,
                       limits, cfg.check_drift, environment)
 
 
+def tool_transcripts(cfg: AgentConfig, tokenizer: Any) -> Any:
+    """SFT's view of `agent`: the tools it presents and the call syntax it writes, as rollouts do."""
+    from rlft.data.tool_transcripts import TranscriptEncoder
+    from rlft.rollout.tool_calls import pick_parser, pick_writer
+    from rlft.rollout.tools import load_tools
+
+    return TranscriptEncoder(tokenizer, load_tools(cfg.tools), pick_parser(cfg.parser, tokenizer.chat_template),
+                             pick_writer(cfg.parser, tokenizer.chat_template), cfg.max_tool_output_tokens)
+
+
 def sampling_params(cfg: RolloutConfig) -> SamplingParams:
     return SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                           max_new_tokens=cfg.max_new_tokens, stop=tuple(cfg.stop))
 
 
 __all__ = ["Completion", "Engine", "SamplingParams", "build_engine", "rollout_dtype", "rollout_engine",
-           "sampling_params", "turn_driver"]
+           "sampling_params", "tool_transcripts", "turn_driver"]

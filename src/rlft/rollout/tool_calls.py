@@ -1,10 +1,13 @@
-"""Tool-call parsers: an assistant turn's text in, the calls it makes out.
+"""Tool-call syntax: parsers (an assistant turn's text in, the calls it makes out) and writers (the
+reverse, for SFT transcripts whose calls come as structured `tool_calls`).
 
 Each model family writes calls its own way; a parser is `fn(text) -> list[ParsedCall]`, registered
 by name with `syntax`, the sentence rlft's own prompt block uses to teach the format (for a
 template without tool support). `agent.parser: auto` picks one from the chat template's source. A
 call that cannot be read is still returned (with `error='malformed'`), so the model is told, and it
-is counted.
+is counted. A writer is `fn(content, calls) -> text`, registered under its parser's name: the text
+a model of that family writes for such a turn, which the parser reads back to the same calls; it
+raises ValueError for a turn the syntax cannot express.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ class Parser(Protocol):
     def __call__(self, text: str) -> list[ParsedCall]: ...
 
 
+Writer = Callable[[str, list[ParsedCall]], str]
 PARSERS: dict[str, Parser] = {}
+WRITERS: dict[str, Writer] = {}
 
 
 def register_parser(name: str, syntax: str) -> Callable[[Callable[[str], list[ParsedCall]]], Parser]:
@@ -39,6 +44,14 @@ def register_parser(name: str, syntax: str) -> Callable[[Callable[[str], list[Pa
         fn.syntax = syntax  # type: ignore[attr-defined]
         PARSERS[name] = fn  # type: ignore[assignment]
         return fn  # type: ignore[return-value]
+
+    return wrap
+
+
+def register_writer(name: str) -> Callable[[Writer], Writer]:
+    def wrap(fn: Writer) -> Writer:
+        WRITERS[name] = fn
+        return fn
 
     return wrap
 
@@ -56,6 +69,16 @@ def hermes(text: str) -> list[ParsedCall]:
         calls.append(_from_json(body, match.group(0)) if closed else
                      ParsedCall(error="malformed", raw=match.group(0)))
     return calls
+
+
+@register_writer("hermes")
+def write_hermes(content: str, calls: list[ParsedCall]) -> str:
+    """The content, then each call on lines of its own, as Qwen2.5's template renders `tool_calls`
+    (the JSON as its `tojson` writes it: non-ASCII kept), so a Qwen model is trained on its own habit."""
+    parts = [content] if content else []
+    parts += ["<tool_call>\n" + json.dumps({"name": c.name, "arguments": c.arguments}, ensure_ascii=False)
+              + "\n</tool_call>" for c in calls]
+    return "\n".join(parts)
 
 
 def _from_json(body: str, raw: str) -> ParsedCall:
@@ -127,6 +150,19 @@ def llama3_json(text: str) -> list[ParsedCall]:
     return calls
 
 
+@register_writer("llama3_json")
+def write_llama3_json(content: str, calls: list[ParsedCall]) -> str:
+    """The calls alone, `{"name": ..., "parameters": {...}}` as the Llama 3.1 template renders one,
+    several joined by "; ". A turn that calls is nothing but calls in this syntax (the parser
+    takes a turn with text before its call for an answer), so text beside calls cannot be written."""
+    if not calls:
+        return content
+    if content.strip():
+        raise ValueError("in the llama3_json syntax a turn that calls a tool holds only the calls; move the text "
+                         "to a turn of its own or drop it")
+    return "; ".join(json.dumps({"name": c.name, "parameters": c.arguments}, ensure_ascii=False) for c in calls)
+
+
 # The Llama 3.x templates tell the model (and render past calls) as {"name": ..., "parameters": ...}
 _LLAMA3_CALL = re.compile(r'"name".{0,160}?"parameters"', re.DOTALL)
 
@@ -141,11 +177,20 @@ def detect_parser(chat_template: str | None) -> str:
     return "hermes"
 
 
-def pick_parser(name: str, chat_template: str | None) -> Parser:
+def _family(name: str, chat_template: str | None) -> str:
     """`auto`: `detect_parser`; a template that mentions no known syntax gets Hermes (rlft then
     describes that syntax in the prompt itself)."""
     if name == "auto":
         name = detect_parser(chat_template)
     if name not in PARSERS:
         raise ConfigError(f"agent.parser: unknown parser {name!r}; known: auto, {', '.join(PARSERS)}")
-    return PARSERS[name]
+    return name
+
+
+def pick_parser(name: str, chat_template: str | None) -> Parser:
+    return PARSERS[_family(name, chat_template)]
+
+
+def pick_writer(name: str, chat_template: str | None) -> Writer:
+    """The writer of the syntax `pick_parser` reads, for the same arguments."""
+    return WRITERS[_family(name, chat_template)]

@@ -100,6 +100,16 @@ class ObservationEncoder:
             ids = ids[1:]  # the model sampled the end-of-turn token itself
         return ids
 
+    def turn_end_id(self) -> int | None:
+        """The token a sampled turn ends on: the one the template puts right after the assistant's
+        text when it ends turns (ChatML's <|im_end|>), else EOS (the observation tail then brings
+        the template's own ending); None when there is neither."""
+        text = self.render([*_PROBE, {"role": "assistant", "content": _MARKER}], False)
+        tail = encode_text(self.tokenizer, text.split(_MARKER, 1)[1])
+        if tail and tail[0] in self.eot_ids:
+            return tail[0]
+        return self.tokenizer.eos_token_id
+
     def _check_template(self) -> None:
         """Refuse at start-up a template this driver cannot insert observations with."""
         prompt = self.render(_PROBE, True)
@@ -281,7 +291,8 @@ class TurnDriver:
                     failed = True
                 if call.immediate is None:
                     ep.record.tool_latency_s.append(result.seconds)
-                messages.append({"role": "tool", "name": name, "content": self._cut(result.text)})
+                messages.append({"role": "tool", "name": name,
+                                 "content": cut_tool_output(self.tokenizer, result.text, lim.max_tool_output_tokens)})
             if failed and lim.on_tool_error == "end":  # ends as the model left it: 'stop', no results shown
                 ep.record.ended_on_error = True
                 continue
@@ -304,18 +315,19 @@ class TurnDriver:
         ep.mask += [0] * len(obs)
         return len(obs)
 
-    def _cut(self, text: str) -> str:
-        """Tool output beyond max_tool_output_tokens is cut there, with a marker the model can read."""
-        ids = encode_text(self.tokenizer, text)
-        limit = self.limits.max_tool_output_tokens
-        if len(ids) <= limit:
-            return text
-        return self.tokenizer.decode(ids[:limit]) + f"\n[output cut: {len(ids) - limit} more tokens]"
-
     @staticmethod
     def _completion(ep: _Live) -> Completion:
         return Completion(prompt_ids=ep.prompt_ids, completion_ids=ep.ids, text=ep.last_text, logprobs=ep.logprobs,
                           finish_reason=ep.finish, prompt_index=ep.prompt_index, loss_mask=ep.mask, episode=ep.record)
+
+
+def cut_tool_output(tokenizer: Any, text: str, limit: int) -> str:
+    """Tool output beyond `limit` tokens is cut there, with a marker the model can read (rollouts and
+    SFT transcripts alike, so the model is trained on the results it will be shown)."""
+    ids = encode_text(tokenizer, text)
+    if len(ids) <= limit:
+        return text
+    return tokenizer.decode(ids[:limit]) + f"\n[output cut: {len(ids) - limit} more tokens]"
 
 
 def episode_metrics(completions: Sequence[Completion]) -> dict[str, float]:
