@@ -269,10 +269,10 @@ def test_sft_on_tool_transcripts_trains_on_the_calls_and_never_on_the_results(qw
     from rlft.models.loading import load_policy
     from rlft.training.offline import make_objective
 
-    train = write_jsonl(tmp_path / "tools.jsonl", tool_rows(32))
-    held_out = write_jsonl(tmp_path / "held_out.jsonl", tool_rows(36)[32:])
+    train = write_jsonl(tmp_path / "tools.jsonl", tool_rows(24))
+    held_out = write_jsonl(tmp_path / "held_out.jsonl", tool_rows(28)[24:])
     config = make_config(qwen_path, train, tmp_path / "run", data={"max_length": 1024, "eval": str(held_out)},
-                         training={"learning_rate": 3e-3, "batch_size": 8, "epochs": 3},
+                         training={"learning_rate": 5e-3, "batch_size": 8, "epochs": 3},
                          eval={"max_examples": 4, "max_new_tokens": 8}, agent={"tools": ["calculator"]})
     cfg = load_config(config)
     policy = load_policy(cfg.model, cfg.lora)
@@ -286,12 +286,12 @@ def test_sft_on_tool_transcripts_trains_on_the_calls_and_never_on_the_results(qw
     assert "<tools>" in pieces[0][1]  # the tools are presented as in rollouts
 
     summary = api.train(config)
-    assert summary["status"] == "completed" and summary["step"] == 12  # 32 rows / 8 per step, 3 epochs
+    assert summary["status"] == "completed" and summary["step"] == 9  # 24 rows / 8 per step, 3 epochs
     assert summary["eval/num_prompts"] == 4 and summary["eval/loss"] < 4.0  # generations from the last turn's context
     losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
               if "loss" in json.loads(line)]
     # a random model over 512 tokens starts near ln(512) = 6.24 nats per target; measured here: 6.26
-    # falling to 3.5-3.7 over the last steps (the fixed call syntax is learnt, the numbers are not yet)
+    # falling to 3.6-3.7 over the last steps, held-out 3.57 (the call syntax is learnt, the numbers not yet)
     assert losses[0] > 5.5 and sum(losses[-3:]) / 3 < 4.0
 
 
