@@ -2,7 +2,7 @@
 rewards through the `environment` reward component, episodes ending on done or on a limit, seeds
 that replay, errors that name the environment and the row, and gem-llm games end to end.
 
-Unit tests drive episodes with the scripted engine of test_agents (a random tiny model never
+Unit tests drive episodes with the scripted engine of conftest.py (a random tiny model never
 writes a guess), and a toy higher/lower game whose secret the test can compute from the seed."""
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import sys
 import pytest
 import torch
 
-from conftest import assert_clean_user_error, run_main, write_jsonl
-from test_agents import ScriptedEngine, call_text
+from conftest import ScriptedEngine, assert_clean_user_error, call_text, run_main, write_jsonl
 from rlft.errors import ConfigError, EnvironmentFailed, TrainingHalted
 from rlft.rollout.batch import RolloutBatch
 from rlft.rollout.contract import SamplingParams

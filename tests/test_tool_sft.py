@@ -309,3 +309,39 @@ def test_the_sft_term_of_rl_with_tools_is_encoded_as_its_episodes(qwen_path, tmp
     expected = transcripts(tok).encode(row_messages(tool_rows(2)[1]))
     assert (mix.examples[1].input_ids, mix.examples[1].target_mask) == (expected.input_ids, expected.target_mask)
     assert "<tools>" in tok.decode(mix.examples[1].input_ids)
+
+
+COUNTDOWN = '''
+class Countdown:
+    """Says 'Go on.' until a turn says 1."""
+
+    def __init__(self, seed):
+        pass
+
+    def reset(self, **row):
+        return "Count down from 3."
+
+    def step(self, text):
+        return ("Done.", 1.0, True) if "1" in text else ("Go on.", 0.0, False)
+'''
+
+
+def test_an_episode_with_an_environment_and_a_tool_is_sft_data_for_the_same_ids(qwen_path, tmp_path):
+    """Turn 1 calls the calculator (a tool result follows), turns 2-4 are the environment's actions
+    (its observations are user messages): RL's record of the episode, as an SFT row, is its ids."""
+    from rlft.rollout.environments import load_environment
+
+    (tmp_path / "countdown.py").write_text(COUNTDOWN)
+    tok = load_tokenizer(ModelConfig(path=str(qwen_path)))
+    engine = ScriptedEngine(tok, [SAMPLED[1], "3", "2", "1"])
+    driver = TurnDriver(engine, tok, load_tools(["calculator"]), hermes, AgentLimits(max_total_tokens=4000),
+                        environment=load_environment(f"{tmp_path / 'countdown.py'}:Countdown", {}, 0))
+    [ep] = driver.run([TRANSCRIPT[:2]], SamplingParams(n=1, max_new_tokens=500))
+    roles = [m["role"] for m in ep.episode.messages]
+    assert roles == ["system", "user", "assistant", "tool", "assistant", "user", "assistant", "user", "assistant"]
+    assert ep.episode.env_done and ep.episode.messages[5] == {"role": "user", "content": "Go on."}
+    sft = transcripts(tok).encode(row_messages({"messages": ep.episode.messages}))
+    assert sft.input_ids == ep.prompt_ids + ep.completion_ids
+    assert sft.target_mask == [0] * len(ep.prompt_ids) + ep.loss_mask
+    assert [t for m, t in spans(tok, sft.input_ids, sft.target_mask) if m] == \
+        [SAMPLED[1] + "<|im_end|>", "3<|im_end|>", "2<|im_end|>", "1<|im_end|>"]
