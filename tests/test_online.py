@@ -406,6 +406,7 @@ def test_sample_lines_show_model_text_verbatim(reward, shown):
 
     from rich.console import Console
 
+    from rlft.rewards.scores import Scores
     from rlft.training.online import _log_samples
 
     out = io.StringIO()
@@ -415,7 +416,7 @@ def test_sample_lines_show_model_text_verbatim(reward, shown):
     rollout = SimpleNamespace(
         completions=[SimpleNamespace(text="see [/] and [bold]x[/bold]", finish_reason="stop")],
         examples=[SimpleNamespace(where="train.jsonl:3", prompt_text="What is [1+1]?")],
-        rewards=[reward], scores=SimpleNamespace(components={"correct": [reward]}))
+        rewards=[reward], scores=Scores([reward], {"correct": [reward]}))
     _log_samples(session, rollout, num_samples=1, every=5)
     text = out.getvalue()
     assert shown in text and "see [/] and [bold]x[/bold]" in text and "What is [1+1]?" in text

@@ -35,7 +35,7 @@ class ModelPlumbing:
 
     def __init__(self, config: Any):
         from rlft.models.loading import load_policy
-        from rlft.rewards.scoring import RewardScorer
+        from rlft.rewards.scoring import build_scorer
         from rlft.rollout import rollout_engine, sampling_params
 
         if not config.rewards:
@@ -44,8 +44,7 @@ class ModelPlumbing:
         self.tokenizer = policy.tokenizer
         self.engine = rollout_engine(config.rollout, policy, config.seed)
         self.params = sampling_params(config.rollout)
-        self.scorer = RewardScorer(config.rewards, config.scoring.max_workers,
-                                   max_abs_reward=config.scoring.max_abs_reward)
+        self.scorer = build_scorer(config.rewards, config.scoring)
         self.required = self.scorer.required_fields
         self.correct_component = config.eval.correct_component or self.scorer.components[0][0]
 

@@ -37,8 +37,8 @@ from rlft.data.readers import DEFAULT_MAX_ROW_BYTES
 from rlft.errors import ConfigError, RlftError
 from rlft.eval.generation import sample_answers
 from rlft.eval.metrics import WinRate, win_rate
-from rlft.eval.run import load_with_prompts, make_scorer, resolve_model, warn_if_cut
-from rlft.rewards.scoring import RewardScorer, score_completions
+from rlft.eval.run import load_with_prompts, resolve_model, warn_if_cut
+from rlft.rewards.scoring import RewardScorer, build_scorer, score_completions
 from rlft.rollout import build_engine
 from rlft.rollout.contract import Completion
 
@@ -211,12 +211,12 @@ def build_judge(rewards: Sequence[RewardSpec], judge: str | None = None, judge_m
         check_model_folder(judge_model, "--judge-model")
         spec = RewardSpec(fn="reward_model", name="judge_model",
                           args={"path": str(judge_model), "device": str(resolve_device(device))})
-        return RewardJudge(make_scorer([spec], scoring), f"reward model {judge_model}")
+        return RewardJudge(build_scorer([spec], scoring), f"reward model {judge_model}")
     if not rewards:
         raise RlftError("a comparison needs a judge: --reward NAME (repeatable; the higher total reward wins), "
                         "--judge module:function, or --judge-model REWARD_MODEL_FOLDER (or a run or --config "
                         "with rewards)")
-    return RewardJudge(make_scorer(list(rewards), scoring), "rewards " + ", ".join(r.component for r in rewards))
+    return RewardJudge(build_scorer(list(rewards), scoring), "rewards " + ", ".join(r.component for r in rewards))
 
 
 # ---------------------------------------------------------------------------------------------

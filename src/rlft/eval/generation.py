@@ -90,5 +90,7 @@ def _add_reward_metrics(m, records, examples, completions, scorer, cfg, prefix) 
             per_prompt.setdefault(c.prompt_index, []).append(ok)
         for kk in sorted({1, k}):
             m[f"{prefix}pass@{kk}"] = sum(pass_at_k(len(v), sum(v), kk) for v in per_prompt.values()) / len(per_prompt)
-    for rec, total, ok in zip(records, scores.total, correct):
+    for i, (rec, total, ok) in enumerate(zip(records, scores.total, correct)):
         rec["reward"], rec["correct"] = total, ok
+        if scores.info:  # notes of rewards (a judge's reply, an ensemble's members)
+            rec["info"] = scores.sample_info(i)

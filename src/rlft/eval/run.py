@@ -14,7 +14,8 @@ from rlft.data.validate import check_rows
 from rlft.errors import RlftError
 from rlft.eval.generation import EvalResult, evaluate_prompts
 from rlft.models.loading import LoadedModel, is_adapter_export, load_adapter_export, load_policy
-from rlft.rewards.scoring import RewardScorer
+from rlft.eval.suites import prepare_suites, run_suites
+from rlft.rewards.scoring import RewardScorer, build_scorer
 from rlft.rollout import build_engine
 
 
@@ -34,7 +35,7 @@ def evaluate_model(target: str | Path, data: str, rewards: list[RewardSpec], cfg
                    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES, engine: str = "hf",
                    vllm: VllmSettings | None = None) -> EvalResult:
     model_dir, _ = resolve_model(target)
-    scorer = make_scorer(rewards, scoring) if rewards else None
+    scorer = build_scorer(rewards, scoring) if rewards else None
     check_correct_component(cfg, scorer)  # before the model loads and anything is generated
     policy, examples = load_with_prompts(model_dir, data, split=split, max_prompt_length=max_prompt_length,
                                          device=device, required_fields=scorer.required_fields if scorer else (),
@@ -51,8 +52,6 @@ def evaluate_suites(target: str | Path, settings: Config, *, device: str = "auto
                     ) -> EvalResult:
     """Every suite of `settings.eval.suites` on one model (as training runs them after its last
     step); records carry their suite's name."""
-    from rlft.eval.suites import prepare_suites, run_suites
-
     model_dir, _ = resolve_model(target)
     policy = load_model_dir(model_dir, device)
     d = settings.data
@@ -88,13 +87,6 @@ def check_correct_component(cfg: EvalConfig, scorer: RewardScorer | None) -> Non
         raise RlftError(f"eval.correct_component {name!r} is not a reward component (rewards: {', '.join(names)}).\n"
                         f"Fix: name one of them, e.g. eval.correct_component={names[0]}, or leave it unset to use "
                         "the first reward")
-
-
-def make_scorer(rewards: list[RewardSpec], scoring: ScoringConfig | None = None) -> RewardScorer:
-    sc = scoring or ScoringConfig()
-    return RewardScorer(rewards, sc.max_workers, timeout_s=sc.timeout_s,
-                        max_consecutive_timeouts=sc.max_consecutive_timeouts, on_error=sc.on_reward_error,
-                        max_abs_reward=sc.max_abs_reward)
 
 
 def load_model_dir(model_dir: Path, device: str = "auto") -> LoadedModel:

@@ -28,7 +28,8 @@ from rlft.errors import ConfigError
 # (`turns`, `tool_calls`, `tool_errors`: multi-turn runs with `agent` only; `env_*`: with agent.environment)
 SCORING_FIELDS = ("finish_reason", "completion_tokens", "max_new_tokens", "messages", "rendered_prompt", "turns",
                   "tool_calls", "tool_errors", "env_rewards", "env_done", "env_final")
-ALLOWED_VALUES = "a float (int and bool count as numbers), None (cannot verify) or a dict of floats"
+ALLOWED_VALUES = ("a float (int and bool count as numbers), None (cannot verify) or a dict of floats (or one of "
+                  "those as Scored(value, info), with notes to log)")
 
 
 def load_user_function(ref: str, what: str = "reward") -> Callable[..., Any]:

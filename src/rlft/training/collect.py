@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -75,13 +74,13 @@ def collect_rollout(engine: Engine, sampler: PromptSampler, prompts: list[Prompt
         if dynamic_sampling:
             keep = ~_flat_groups(scores.total, groups)
             dropped += len(set(g for g, k in zip(groups, keep.tolist()) if not k))
-        kept_scores.append(_subset(scores, keep.tolist()))
+        kept_scores.append(scores.subset([i for i, k in enumerate(keep.tolist()) if k]))
         kept += [(e, c, g) for e, c, g, k in zip(examples, completions, groups, keep.tolist()) if k]
         if not dynamic_sampling or rounds > max_rounds:
             break
         if world.sum([len({g for *_, g in kept})])[0] >= prompts_per_step:
             break
-    scores = _concat(kept_scores)
+    scores = Scores.concat(kept_scores)
     metrics = {"time/generate": t_gen, "time/score": t_score, **episode_metrics([k[1] for k in kept])}
     if dynamic_sampling:
         dropped, kept_groups, sampled_sum, sampled_n = world.sum(
@@ -97,18 +96,3 @@ def _flat_groups(total: list[float | None], groups: list[int]) -> torch.Tensor:
     valid = torch.tensor([t is not None for t in total])
     scores = torch.tensor([t if t is not None else 0.0 for t in total], dtype=torch.float64)
     return zero_variance_groups(scores, torch.tensor(groups), valid)
-
-
-def _subset(scores: Scores, keep: list[bool]) -> Scores:
-    pick = [i for i, k in enumerate(keep) if k]
-    return Scores([scores.total[i] for i in pick], {k: [v[i] for i in pick] for k, v in scores.components.items()})
-
-
-def _concat(parts: list[Scores]) -> Scores:
-    total: list[Any] = []
-    comps: dict[str, list[Any]] = {}
-    for s in parts:
-        total += s.total
-        for k, v in s.components.items():
-            comps.setdefault(k, []).extend(v)
-    return Scores(total, comps)

@@ -31,7 +31,7 @@ from rlft.models.loading import Reference, disable_dropout, load_policy, resolve
 from rlft.monitor.checks import infra_error_message
 from rlft.rewards.calls import ScoringInterrupted
 from rlft.monitor.stats import MetricAccumulator
-from rlft.rewards.scoring import RewardScorer, Scores
+from rlft.rewards.scoring import RewardScorer, Scores, build_scorer
 from rlft.rollout import rollout_dtype, rollout_engine, sampling_params, turn_driver
 from rlft.rollout.batch import RolloutBatch
 from rlft.rollout.contract import trained_segments
@@ -80,9 +80,7 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
     a, d, sc, policy, world = config.algorithm, config.data, config.scoring, session.policy, session.world
     # a Ctrl-C may cut scoring short in one process; ranks stop together at a step's end instead
     should_stop = None if world.active else (lambda: session.stop_signal is not None)
-    scorer = RewardScorer(config.rewards, sc.max_workers, timeout_s=sc.timeout_s,
-                          max_consecutive_timeouts=sc.max_consecutive_timeouts, on_error=sc.on_reward_error,
-                          should_stop=should_stop, warn=None, max_abs_reward=sc.max_abs_reward)
+    scorer = build_scorer(config.rewards, sc, should_stop=should_stop, warn=None)
     needs = scorer.required_fields
     train_rows = read_train_rows(d, config.seed, lambda path: load_prompts(d, policy.tokenizer, path, d.split,
                                                                            "prompt", needs))
@@ -270,8 +268,7 @@ def _rollout_metrics(session: TrainingSession, rollout: Rollout, beta: float) ->
     local = (rollout.scores, [len(c.completion_ids) for c in rollout.completions],
              [c.finish_reason for c in rollout.completions])
     parts = world.gather(local)
-    scores = Scores([t for p in parts for t in p[0].total],
-                    {k: [v for p in parts for v in p[0].components.get(k, [])] for k in rollout.scores.components})
+    scores = Scores.concat([p[0] for p in parts])
     lengths = [n for p in parts for n in p[1]]
     finishes = [f for p in parts for f in p[2]]
     metrics: dict[str, float] = {**scores.metrics(), **rollout.metrics}
@@ -371,6 +368,8 @@ def _log_samples(session: TrainingSession, rollout: Rollout, num_samples: int, e
         records.append({"step": session.step, "where": e.where, "prompt": e.prompt_text, "completion": c.text,
                         "reward": rollout.rewards[i], "finish_reason": c.finish_reason,
                         "components": {k: v[i] for k, v in rollout.scores.components.items()}})
+        if rollout.scores.info:  # notes of rewards (a judge's reply, an ensemble's members)
+            records[-1]["info"] = rollout.scores.sample_info(i)
         episode = getattr(c, "episode", None)
         if episode is not None:  # a multi-turn episode: its assistant and tool turns, in order
             transcript = episode.messages[len(e.messages):]

@@ -18,7 +18,7 @@ from rlft.eval.generation import evaluate_prompts
 from rlft.models.forward import sft_token_nll
 from rlft.models.loading import LoadedModel
 from rlft.models.template import end_of_turn_ids
-from rlft.rewards.scoring import RewardScorer
+from rlft.rewards.scoring import build_scorer
 from rlft.rollout import build_engine, tool_transcripts
 
 
@@ -32,11 +32,7 @@ class SftObjective:
         transcripts, encoded with its tools and call syntax as rollouts will see them."""
         self.data, self.evaluation, self.seed, self.packing, self.agent = data, evaluation, seed, packing, agent
         # eval accuracy needs rewards; built here so a bad reward spec fails before training
-        sc = scoring or ScoringConfig()
-        self.scorer = RewardScorer(rewards, sc.max_workers, timeout_s=sc.timeout_s,
-                                   max_consecutive_timeouts=sc.max_consecutive_timeouts,
-                                   on_error=sc.on_reward_error,
-                                   max_abs_reward=sc.max_abs_reward) if rewards else None
+        self.scorer = build_scorer(rewards, scoring) if rewards else None
         self.pad_id = 0
 
     def prepare(self, policy: LoadedModel) -> tuple[TrainRows, list[SftExample], dict[str, Any]]:
