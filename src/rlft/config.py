@@ -482,12 +482,17 @@ class RewardSpec(Section):
     @field_validator("args")
     @classmethod
     def _reward_model_args(cls, args: dict[str, Any], info: Any) -> dict[str, Any]:
-        if info.data.get("fn") != "reward_model":
+        fn = info.data.get("fn")
+        if fn not in ("reward_model", "reward_model_ensemble"):
             return args
         if isinstance(args.get("device"), str):
-            check_device(args["device"], "reward_model args.device")
-        if isinstance(args.get("path"), str):  # the built-in reward model's weights: a folder or a hub id
+            check_device(args["device"], f"{fn} args.device")
+        if fn == "reward_model" and isinstance(args.get("path"), str):  # weights: a folder or a hub id
             return {**args, "path": paths.existing(_local(args["path"], "reward_model args.path"))}
+        members = args.get("paths")
+        if fn == "reward_model_ensemble" and isinstance(members, list) and all(isinstance(p, str) for p in members):
+            return {**args, "paths": [paths.existing(_local(p, f"reward_model_ensemble args.paths[{i}]"))
+                                      for i, p in enumerate(members)]}
         return args
 
     @property
