@@ -129,7 +129,9 @@ def eval(
     compare: Optional[Path] = typer.Option(None, "--compare", help="Baseline model folder or run: TARGET's win rate "
                                            "against it on the same prompts (--out: JSON report)."),
     judge: Optional[str] = typer.Option(None, "--judge", help="With --compare, module:function judging each pair: "
-                                        "judge(prompt, answer_a, answer_b, **row) -> 'a' | 'b' | 'tie'."),
+                                        "judge(prompt, answer_a, answer_b, **row) -> 'a' | 'b' | 'tie'; or "
+                                        "llm_judge (or its component name): the llm_judge reward of the run's or "
+                                        "--config's rewards, asked which answer is better."),
     judge_model: Optional[Path] = typer.Option(None, "--judge-model", help="With --compare, a reward model folder "
                                                "scoring each answer (higher wins)."),
 ) -> None:
