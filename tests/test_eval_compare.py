@@ -396,7 +396,7 @@ def test_llm_judge_compares_pairs_in_seeded_order(monkeypatch, qwen_path, files,
 def test_llm_judge_must_be_among_the_rewards(judge_server):
     with pytest.raises(RlftError, match="have no llm_judge reward"):
         build_judge([RewardSpec(fn="exact_match")], judge="llm_judge")
-    with pytest.raises(RlftError, match=r"several \(one, two\)"):
+    with pytest.raises(RlftError, match=r"several llm_judge rewards \(one, two\)"):
         build_judge([_llm_spec(judge_server, "one"), _llm_spec(judge_server, "two")], judge="llm_judge")
     with pytest.raises(RlftError, match=r"named 'three' \(they have: one\)"):
         build_judge([_llm_spec(judge_server, "one")], judge="three")

@@ -212,18 +212,20 @@ class LLMPairJudge:
 
 
 def _llm_judge(rewards: Sequence[RewardSpec], name: str, scoring: ScoringConfig | None) -> LLMPairJudge:
-    """The judge of the `llm_judge` reward called `name` among `rewards` (built from its args)."""
-    found = [r for r in rewards if r.fn == "llm_judge" and (r.component == name or name == "llm_judge")]
-    judges = [r.component for r in rewards if r.fn == "llm_judge"]
-    if len(found) != 1:
-        why = (f"the rewards hold several ({', '.join(judges)}); give --judge with one of those names" if found else
-               "the run's (or --config's) rewards have no llm_judge reward" + (f" named {name!r} (they have: "
-                                                                             f"{', '.join(judges)})" if judges else ""))
-        raise RlftError(f"--judge {name}: {why}.\nFix: put the judge in a config's rewards, e.g. {{fn: llm_judge, "
-                        "args: {base_url: http://127.0.0.1:8000/v1, model: MODEL, rubric: ...}}, and pass --config")
-    spec = found[0]
-    scorer = build_scorer([spec], scoring)  # checks the args as training would
-    return LLMPairJudge(scorer.components[0][1], spec.component)
+    """The judge of the `llm_judge` reward called `name` among `rewards` (`llm_judge`: the only one)."""
+    judges = [r for r in rewards if r.fn == "llm_judge"]
+    found = [r for r in judges if r.component == name or name == "llm_judge"]
+    names = ", ".join(r.component for r in judges)
+    if len(found) > 1:
+        raise RlftError(f"--judge {name}: the rewards hold several llm_judge rewards ({names}); give --judge NAME "
+                        "with one of those names")
+    if not found:
+        held = f" named {name!r} (they have: {names})" if judges else ""
+        raise RlftError(f"--judge {name}: the run's (or --config's) rewards have no llm_judge reward{held}.\n"
+                        "Fix: put the judge in a config's rewards, e.g. {fn: llm_judge, args: {base_url: "
+                        "http://127.0.0.1:8000/v1, model: MODEL, rubric: ...}}, and pass --config")
+    scorer = build_scorer([found[0]], scoring)  # its args checked as training checks them
+    return LLMPairJudge(scorer.components[0][1], found[0].component)
 
 
 def _judge_signature(fn: Callable[..., Any], ref: str) -> tuple[set[str], bool, tuple[str, ...]]:

@@ -149,7 +149,7 @@ class LLMJudge:
                          f"(first: {first['failed']})")
         if counts["unparsable"]:
             lines.append(f"{counts['unparsable']} of {n} judge replies had no readable verdict; counted as "
-                         f"unverifiable (first: {first['unparsable']}; each reply is in samples.jsonl under info)")
+                         f"unverifiable (first: {first['unparsable']}; samples.jsonl keeps the replies of the samples it logs)")
         return lines
 
 
@@ -166,6 +166,8 @@ def llm_judge(base_url: str, model: str, rubric: str, reply_format: str = "score
     The time defaults fit scoring.timeout_s's 60 s, which must cover one sample's worst case:
     3 attempts x 15 s (512 reply tokens at ~35 tokens/s) + back-off 2 + 4 s = 51 s."""
     _check_args(rubric, reply_format, score_range, max_concurrency, timeout_s, max_retries, backoff_s, max_tokens)
+    if not isinstance(model, str) or not model.strip():
+        raise ValueError(f"args.model={model!r}; give the model name the endpoint serves (for `vllm serve NAME`: NAME)")
     verdicts = _check_verdicts(DEFAULT_VERDICTS if verdicts is None else verdicts)
     api_key = None
     if api_key_env is not None:
