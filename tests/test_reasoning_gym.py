@@ -40,6 +40,20 @@ def test_the_reward_is_the_tasks_own_verifier_on_the_answer_tag():
     assert reward("q", f"<answer>{wrong}</answer>", rg_entry=entry["rg_entry"]) == 0.0
     assert reward("q", right, rg_entry=entry["rg_entry"]) == 0.0  # no tag: not an answer
     assert reward.required_fields == ("rg_entry",)
+    # a model that never writes tags: its last number, or its last line, by choice
+    by_number = reasoning_gym(fallback="last_number")
+    assert by_number("q", f"It is {wrong}, no: {right}.", rg_entry=entry["rg_entry"]) == 1.0
+    assert by_number("q", f"<answer>{wrong}</answer> {right}", rg_entry=entry["rg_entry"]) == 0.0  # the tag wins
+    assert reasoning_gym(fallback="last_line")("q", f"Sum:\n{right}\n", rg_entry=entry["rg_entry"]) == 1.0
+    with pytest.raises(ValueError, match="fallback must be one of none, last_number, last_line"):
+        reasoning_gym(fallback="first_number")
+
+
+def test_the_system_prompt_is_a_setting_of_the_location():
+    plain = read_rows(SOURCE + "&system=none", "train")[0].data["messages"]
+    assert [m["role"] for m in plain] == ["user"]
+    direct = read_rows(SOURCE + "&system=direct", "train")[0].data["messages"]
+    assert direct[0]["role"] == "system" and "directly" in direct[0]["content"]
 
 
 @pytest.mark.parametrize("source, split, why", [
@@ -48,6 +62,7 @@ def test_the_reward_is_the_tasks_own_verifier_on_the_answer_tag():
     ("reasoning_gym:chain_sum?size=0", "train", "size=0 must be a whole number >= 1"),
     ("reasoning_gym:chain_sum?min_terms=5&max_terms=2", "train", "chain_sum refused its settings"),
     ("reasoning_gym:chain_sum", "validation", "splits 'train' (data.split) and 'test'"),
+    ("reasoning_gym:chain_sum?system=chatty", "train", "system='chatty' is not one of reasoning-gym's system prompts"),
     # one-digit a + b / a - b: about 200 questions exist, 400 train rows cover nearly all of them
     ("reasoning_gym:chain_sum?size=400&eval_size=100&min_terms=2&max_terms=2&max_digits=1", "test",
      "held-out questions differ from the 400 train ones"),

@@ -7,8 +7,8 @@ source) is `eval_size` entries of the task seeded differently, keeping only ques
 not among the train entries, so the two never share a question. Other keys are the task's own
 config (difficulty: `min_terms=2&max_terms=4`, ...), checked against its config class.
 
-Each row is a chat prompt (reasoning-gym's 'default' system prompt asking for `<answer>` tags,
-then the question), the reference `answer`, and the generator's whole entry in `rg_entry`, which
+Each row is a chat prompt (a system prompt of reasoning-gym's, `system=default` unless set:
+`simple`, `direct`, ..., or `none` for the question alone, then the question), the reference `answer`, and the generator's whole entry in `rg_entry`, which
 the `reasoning_gym` reward hands back to the task's own `score_answer`.
 """
 
@@ -45,6 +45,7 @@ class GymSource:
     size: int = 1000
     eval_size: int = 200
     seed: int = 0
+    system: str = "default"  # reasoning-gym's SYSTEM_PROMPTS key, or 'none'
     config: tuple[tuple[str, Any], ...] = ()
 
 
@@ -59,7 +60,7 @@ def parse(source: str) -> GymSource:
             settings[key] = json.loads(raw)
         except json.JSONDecodeError:
             settings[key] = raw
-    known = {f.name: settings.pop(f.name) for f in dataclasses.fields(GymSource)[1:4] if f.name in settings}
+    known = {f.name: settings.pop(f.name) for f in dataclasses.fields(GymSource)[1:5] if f.name in settings}
     for name in ("size", "eval_size", "seed"):
         if name in known and (not isinstance(known[name], int) or known[name] < (0 if name == "seed" else 1)):
             raise DataError(f"{source}: {name}={known[name]!r} must be a whole number"
@@ -103,8 +104,12 @@ def read_reasoning_gym(source: str, split: str) -> list[Any]:
             raise DataError(f"{source}: only {len(entries)} held-out questions differ from the {src.size} train "
                             f"ones (eval_size={src.eval_size}); the task's space is small at these settings: lower "
                             "size or eval_size, or widen the difficulty")
-    system = _module().utils.SYSTEM_PROMPTS["default"]
+    prompts = _module().utils.SYSTEM_PROMPTS
+    if src.system != "none" and src.system not in prompts:
+        raise DataError(f"{source}: system={src.system!r} is not one of reasoning-gym's system prompts: "
+                        f"{', '.join(prompts)}, or none")
+    system = [] if src.system == "none" else [{"role": "system", "content": prompts[src.system]}]
     return [Row(f"{PREFIX}{src.task}[{split}]#{i}",
-                {"messages": [{"role": "system", "content": system}, {"role": "user", "content": e["question"]}],
+                {"messages": [*system, {"role": "user", "content": e["question"]}],
                  "answer": str(e["answer"]), "rg_entry": e})
             for i, e in enumerate(entries)]
