@@ -27,7 +27,6 @@ FORMAT = r"(?s).*\d.*"  # an answer holds a number (the tag is optional: see CAN
 # reward reads the last number when there is no tag (numeric tasks only).
 CANDIDATES = [
     "reasoning_gym:chain_sum?size=1000&eval_size=200&system=none&min_terms=2&max_terms=2&max_digits=2",
-    "reasoning_gym:chain_sum?size=1000&eval_size=200&system=none&min_terms=2&max_terms=2&max_digits=1&allow_negation=false",
     "reasoning_gym:basic_arithmetic?size=1000&eval_size=200&system=none&min_terms=2&max_terms=2&min_digits=1&max_digits=2",
     "reasoning_gym:leg_counting?size=1000&eval_size=200&system=none&min_animals=1&max_animals=2",
     "reasoning_gym:count_bits?size=1000&eval_size=200&system=none",
