@@ -20,7 +20,7 @@ import yaml
 from agent_model import SUMS, build_calculator_model, prompt_rows
 from conftest import run_main
 from rlft.rollout.contract import Completion, Episode, SamplingParams
-from rlft.rollout.tool_calls import ParsedCall
+from rlft.rollout.tool_calls import ParsedCall, hermes
 from rlft.rollout.tools import load_tools
 from rlft.rollout.turns import AgentLimits, TurnDriver, episode_counts, episode_metrics
 
@@ -31,6 +31,9 @@ def calls_on_some_turns(text: str) -> list[ParsedCall]:
     """Stands for a model that sometimes calls the calculator (a random tiny model never writes a
     call): a turn whose text length is not a multiple of 3 calls it."""
     return [ParsedCall("calculator", {"expression": f"{len(text)} * 2"})] if len(text) % 3 else []
+
+
+calls_on_some_turns.syntax = hermes.syntax  # what the prompt's tool block teaches (a parser's `syntax`)
 
 
 @pytest.fixture(scope="module")
@@ -85,19 +88,20 @@ def test_an_episode_is_the_same_alone_in_a_batch_and_as_a_ranks_share(random_pol
 
 
 def _completion(turns: int, calls: int, errors: dict, latency: list[float], drift: int | None, tokens: int,
-                tool_tokens: int, truncated: bool = False) -> Completion:
+                tool_tokens: int, truncated: bool = False, env: list[float] | None = None) -> Completion:
     record = Episode([], turns=turns, tool_calls=calls, errors=errors, tool_tokens=tool_tokens,
-                     budget_truncated=truncated, tool_latency_s=latency, retokenize_drift=drift)
+                     budget_truncated=truncated, tool_latency_s=latency, retokenize_drift=drift, env_rewards=env,
+                     env_done=bool(env and env[-1] > 0), env_tokens=3 * len(env or []))
     return Completion([1], [7] * tokens, "", [0.0] * tokens, "stop", 0, episode=record)
 
 
 def test_agent_metrics_of_a_split_batch_summed_over_ranks_equal_the_whole_batchs():
     """Issue 25: each rank logged the agent metrics of its own episodes only. The counts add up
     over ranks (the slowest call is a maximum), so a batch split in two gives the whole's metrics."""
-    episodes = [_completion(1, 0, {}, [], 0, 10, 0),
+    episodes = [_completion(1, 0, {}, [], 0, 10, 0, env=[0.0, 1.0]),
                 _completion(3, 2, {"timeout": 1}, [0.5, 2.0], 4, 40, 12, truncated=True),
-                _completion(2, 3, {"malformed": 1, "raised": 1}, [0.25], None, 30, 9),
-                _completion(2, 1, {}, [1.0], 0, 20, 5)]
+                _completion(2, 3, {"malformed": 1, "raised": 1}, [0.25], None, 30, 9, env=[0.5]),
+                _completion(2, 1, {}, [1.0], 0, 20, 5, env=[0.0, 0.0, 0.0])]
 
     def summed_with(other):
         def reduce(counts):  # what MetricAccumulator.reduce does over two ranks
@@ -115,6 +119,9 @@ def test_agent_metrics_of_a_split_batch_summed_over_ranks_equal_the_whole_batchs
     assert whole["agent/tool_latency_mean_s"] == 0.9375 and whole["agent/tool_latency_max_s"] == 2.0
     assert whole["agent/retokenize_drift"] == pytest.approx(4 / 3) and whole["agent/retokenize_drift_frac"] == 1 / 3
     assert whole["agent/budget_truncated"] == 1.0 and whole["agent/errors/malformed"] == 1.0
+    # environments, over the 3 episodes that had one: returns 1, 0.5, 0; 6 steps; 2 done, 1 cut
+    assert whole["env/return_mean"] == 0.5 and whole["env/steps_mean"] == 2.0 and whole["env/episodes_done"] == 2.0
+    assert whole["env/episodes_cut"] == 1.0 and whole["env/inserted_tokens_mean"] == 6.0
     assert episode_metrics([], reduce=lambda counts: counts) == {}
 
 

@@ -122,14 +122,17 @@ def eval(
     max_new_tokens: Optional[int] = typer.Option(None, help="Longest completion."),
     max_examples: Optional[str] = typer.Option(None, "--max-examples", help="Rows evaluated: N, or 'all' (default: "
                                                "eval.max_examples, 256; a cut is announced)."),
-    split: str = typer.Option("train", help="Split for hf: datasets."),
+    split: Optional[str] = typer.Option(None, help="Split for hf: datasets (default train; a reasoning_gym: source: "
+                                                   "test, its held-out rows)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write per-completion records (JSONL) here."),
     engine: str = typer.Option("hf", "--engine", help="Generation engine: hf, or vllm (rollout.vllm settings "
                                                        "from --config or the run)."),
     compare: Optional[Path] = typer.Option(None, "--compare", help="Baseline model folder or run: TARGET's win rate "
                                            "against it on the same prompts (--out: JSON report)."),
     judge: Optional[str] = typer.Option(None, "--judge", help="With --compare, module:function judging each pair: "
-                                        "judge(prompt, answer_a, answer_b, **row) -> 'a' | 'b' | 'tie'."),
+                                        "judge(prompt, answer_a, answer_b, **row) -> 'a' | 'b' | 'tie'; or "
+                                        "llm_judge (or its component name): the llm_judge reward of the run's or "
+                                        "--config's rewards, asked which answer is better."),
     judge_model: Optional[Path] = typer.Option(None, "--judge-model", help="With --compare, a reward model folder "
                                                "scoring each answer (higher wins)."),
 ) -> None:
@@ -168,6 +171,8 @@ def eval(
         except ValueError as exc:
             raise RlftError(str(exc)) from None
     vllm = settings.rollout.vllm if settings is not None else VllmSettings()
+    if split is None:  # a generated task's held-out rows unless asked otherwise
+        split = "test" if data is not None and data.startswith("reasoning_gym:") else "train"
     if data is None:
         if compare is not None or settings is None or not settings.eval.suites:
             raise RlftError("rlft eval: give --data FILE (held-out prompts); without it, the run (or --config) must "

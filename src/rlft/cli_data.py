@@ -36,7 +36,7 @@ class ModelPlumbing:
 
     def __init__(self, config: Any):
         from rlft.models.loading import load_policy
-        from rlft.rewards.scoring import RewardScorer
+        from rlft.rewards.scoring import build_scorer
         from rlft.rollout import rollout_engine, sampling_params, turn_driver
 
         if not config.rewards:
@@ -45,17 +45,22 @@ class ModelPlumbing:
         self.tokenizer = policy.tokenizer
         self.engine = rollout_engine(config.rollout, policy, config.seed)
         self.params = sampling_params(config.rollout)
-        self.driver = turn_driver(config.agent, self.engine, self.tokenizer) if config.agent else None
-        self.scorer = RewardScorer(config.rewards, config.scoring.max_workers,
-                                   max_abs_reward=config.scoring.max_abs_reward)
+        self.driver = turn_driver(config.agent, self.engine, self.tokenizer, config.seed,
+                                  config.data.max_prompt_length) if config.agent else None
+        self.drawn = 0  # prompts sampled so far: the next chunk's first global index (its streams)
+        self.scorer = build_scorer(config.rewards, config.scoring)
         self.required = self.scorer.required_fields
         self.correct_component = config.eval.correct_component or self.scorer.components[0][0]
 
     def sample(self, examples: list[Any], k: int) -> Sequence[Any]:
         params = replace(self.params, n=k)
+        first, self.drawn = self.drawn, self.drawn + len(examples)  # chunks come in order
         if self.driver is not None:  # whole episodes, scored as training scores them
-            return self.driver.run([e.messages for e in examples], params)
-        return self.engine.generate([e.prompt_ids for e in examples], params)
+            from rlft.rollout.environments import EpisodeRow
+
+            rows = [EpisodeRow(e.where, e.fields, first + i) for i, e in enumerate(examples)]
+            return self.driver.run([e.messages for e in examples], params, first_prompt=first, rows=rows)
+        return self.engine.generate([e.prompt_ids for e in examples], params, first_prompt=first)
 
     def rewards(self, examples: Sequence[Any], answers: Sequence[Any]) -> Any:
         from rlft.rewards.scoring import score_completions, scoring_row

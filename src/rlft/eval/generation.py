@@ -12,6 +12,7 @@ from rlft.config import EvalConfig
 from rlft.data.prompts import PromptExample
 from rlft.rewards.scoring import RewardScorer, score_completions
 from rlft.rollout.contract import Completion, Engine, SamplingParams
+from rlft.rollout.environments import EpisodeRow
 from rlft.rollout.turns import TurnDriver, episode_metrics
 
 
@@ -54,8 +55,9 @@ def sample_answers(engine: Engine, examples: Sequence[PromptExample], cfg: EvalC
     with isolated(seed) if isolated else nullcontext():
         if driver is None:
             completions = engine.generate([e.prompt_ids for e in examples], params)
-        else:
-            completions = driver.run([e.messages for e in examples], params)
+        else:  # an environment starts from each row (seeded by its place in the eval set: the same every eval)
+            rows = [EpisodeRow(e.where, e.fields, i) for i, e in enumerate(examples)]
+            completions = driver.run([e.messages for e in examples], params, rows=rows)
     return examples, completions
 
 
@@ -105,5 +107,7 @@ def _add_reward_metrics(m, records, examples, completions, scorer, cfg, prefix) 
             per_prompt.setdefault(c.prompt_index, []).append(ok)
         for kk in sorted({1, k}):
             m[f"{prefix}pass@{kk}"] = sum(pass_at_k(len(v), sum(v), kk) for v in per_prompt.values()) / len(per_prompt)
-    for rec, total, ok in zip(records, scores.total, correct):
+    for i, (rec, total, ok) in enumerate(zip(records, scores.total, correct)):
         rec["reward"], rec["correct"] = total, ok
+        if scores.info:  # notes of rewards (a judge's reply, an ensemble's members)
+            rec["info"] = scores.sample_info(i)

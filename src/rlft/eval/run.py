@@ -15,7 +15,8 @@ from rlft.data.validate import check_rows
 from rlft.errors import RlftError
 from rlft.eval.generation import EvalResult, evaluate_prompts
 from rlft.models.loading import LoadedModel, is_adapter_export, load_adapter_export, load_policy
-from rlft.rewards.scoring import RewardScorer
+from rlft.eval.suites import prepare_suites, run_suites
+from rlft.rewards.scoring import RewardScorer, build_scorer
 from rlft.rollout import build_engine, check_prompts_with_tools, turn_driver
 
 
@@ -37,7 +38,7 @@ def evaluate_model(target: str | Path, data: str, rewards: list[RewardSpec], cfg
     """`agent`: each answer is a multi-turn episode with these tools and limits (a run's own agent
     section, so its numbers compare with the run's)."""
     model_dir, _ = resolve_model(target)
-    scorer = make_scorer(rewards, scoring) if rewards else None
+    scorer = build_scorer(rewards, scoring) if rewards else None
     check_correct_component(cfg, scorer)  # before the model loads and anything is generated
     policy, examples = load_with_prompts(model_dir, data, split=split, max_prompt_length=max_prompt_length,
                                          device=device, required_fields=scorer.required_fields if scorer else (),
@@ -45,18 +46,19 @@ def evaluate_model(target: str | Path, data: str, rewards: list[RewardSpec], cfg
     warn_if_cut(cfg, len(examples), data)
     engine = build_engine(policy, seed, engine, batch_size=cfg.batch_size, vllm=vllm)
     try:
-        driver = agent_driver(agent, engine, policy.tokenizer, [examples], max_prompt_length)
+        driver = agent_driver(agent, engine, policy.tokenizer, [examples], max_prompt_length, seed)
         return evaluate_prompts(engine, examples, cfg, scorer, prefix=prefix, seed=seed, driver=driver)
     finally:
         engine.close()
 
 
 def agent_driver(agent: AgentConfig | None, engine: Any, tokenizer: Any, example_sets: list[list[PromptExample]],
-                 max_prompt_length: int) -> Any:
-    """The turn driver `agent` configures (None without one), its prompts checked with the tools."""
+                 max_prompt_length: int, seed: int) -> Any:
+    """The turn driver `agent` configures (None without one; an environment's episodes seeded from
+    `seed`), its prompts checked with the tools."""
     if agent is None:
         return None
-    driver = turn_driver(agent, engine, tokenizer)
+    driver = turn_driver(agent, engine, tokenizer, seed, max_prompt_length)
     for examples in example_sets:
         check_prompts_with_tools(driver, examples, max_prompt_length, agent.max_total_tokens)
     return driver
@@ -66,8 +68,6 @@ def evaluate_suites(target: str | Path, settings: Config, *, device: str = "auto
                     ) -> EvalResult:
     """Every suite of `settings.eval.suites` on one model (as training runs them after its last
     step); records carry their suite's name."""
-    from rlft.eval.suites import prepare_suites, run_suites
-
     model_dir, _ = resolve_model(target)
     policy = load_model_dir(model_dir, device)
     d = settings.data
@@ -77,7 +77,7 @@ def evaluate_suites(target: str | Path, settings: Config, *, device: str = "auto
                            vllm=settings.rollout.vllm)
     try:
         driver = agent_driver(settings.agent, sampler, policy.tokenizer, [p.examples for p in suites],
-                              d.max_prompt_length)
+                              d.max_prompt_length, settings.seed)
         metrics, records = run_suites(sampler, suites, 0, 0, settings.seed, driver=driver)
     finally:
         sampler.close()
@@ -105,13 +105,6 @@ def check_correct_component(cfg: EvalConfig, scorer: RewardScorer | None) -> Non
         raise RlftError(f"eval.correct_component {name!r} is not a reward component (rewards: {', '.join(names)}).\n"
                         f"Fix: name one of them, e.g. eval.correct_component={names[0]}, or leave it unset to use "
                         "the first reward")
-
-
-def make_scorer(rewards: list[RewardSpec], scoring: ScoringConfig | None = None) -> RewardScorer:
-    sc = scoring or ScoringConfig()
-    return RewardScorer(rewards, sc.max_workers, timeout_s=sc.timeout_s,
-                        max_consecutive_timeouts=sc.max_consecutive_timeouts, on_error=sc.on_reward_error,
-                        max_abs_reward=sc.max_abs_reward)
 
 
 def load_model_dir(model_dir: Path, device: str = "auto") -> LoadedModel:

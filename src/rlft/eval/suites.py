@@ -15,6 +15,7 @@ from rlft.config import EvalSuite, SuiteSampling
 from rlft.data.prompts import PromptExample
 from rlft.eval.generation import evaluate_prompts
 from rlft.eval.metrics import length_stats, maj_at_k, normalize_answer
+from rlft.rewards.scoring import build_scorer
 
 
 def answer_extractor(spec: str | None) -> Callable[[str], str | None] | None:
@@ -43,7 +44,6 @@ def prepare_suites(suites: Sequence[EvalSuite], tokenizer: Any, max_prompt_lengt
     from rlft.data.readers import read_rows
     from rlft.data.prompts import make_prompt_encoder
     from rlft.data.validate import check_rows
-    from rlft.eval.run import make_scorer
 
     names = [s.name for s in suites]
     dupes = sorted({n for n in names if names.count(n) > 1})
@@ -53,7 +53,7 @@ def prepare_suites(suites: Sequence[EvalSuite], tokenizer: Any, max_prompt_lengt
         raise ConfigError(f"eval.suites: names must be unique; {dupes} appear more than once")
     out = []
     for s in suites:
-        scorer = make_scorer(s.rewards, scoring) if s.rewards else None
+        scorer = build_scorer(s.rewards, scoring) if s.rewards else None
         encode = make_prompt_encoder(tokenizer, max_prompt_length, scorer.required_fields if scorer else ())
         examples = check_rows(read_rows(s.data, s.split), encode, s.data, f"eval suite '{s.name}'", on_invalid)
         out.append(PreparedSuite(s, examples, scorer, answer_extractor(s.answer)))

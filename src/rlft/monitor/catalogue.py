@@ -63,6 +63,8 @@ def metric_names(config: Any, components: list[str]) -> tuple[set[str], tuple[st
         if not isinstance(config.data.train, str):  # mixed sources: reward/accuracy/share per source
             prefixes += ["reward/source/", "accuracy/source/", "data/source/"]
         names.update(f"reward/{c}" for c in components)
+        # an ensemble's disagreement in the total's units (reward/<c>/disagreement is under the prefixes)
+        names.update(("reward/disagreement",) if any(r.fn == "reward_model_ensemble" for r in config.rewards) else ())
         prefixes += [f"reward/{c}/" for c in components]
         names.update(_ONLINE_IF["kl"] if config.needs_reference else ())
         names.update(_ONLINE_IF["tis"] if a.rollout_correction == "tis" else ())

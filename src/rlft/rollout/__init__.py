@@ -51,17 +51,32 @@ def rollout_dtype(name: str, precision: Any, device: torch.device | None = None)
     return None if dtype in (None, precision.weight_dtype) else dtype
 
 
-def turn_driver(cfg: AgentConfig, engine: Engine, tokenizer: Any) -> Any:
-    """The multi-turn driver `agent` configures: its tools loaded and checked, its parser chosen."""
+def turn_driver(cfg: AgentConfig, engine: Engine, tokenizer: Any, seed: int = 0,
+                max_prompt_tokens: int | None = None) -> Any:
+    """The multi-turn driver `agent` configures: its tools loaded and checked, its parser chosen, its
+    environment loaded and checked (its episodes seeded from the run's `seed`)."""
+    from rlft.rollout.environments import load_environment
     from rlft.rollout.tool_calls import pick_parser
     from rlft.rollout.tools import load_tools
     from rlft.rollout.turns import AgentLimits, TurnDriver
 
     limits = AgentLimits(max_turns=cfg.max_turns, max_total_tokens=cfg.max_total_tokens,
                          max_tool_output_tokens=cfg.max_tool_output_tokens, tool_timeout_s=cfg.tool_timeout_s,
-                         max_calls_per_turn=cfg.max_calls_per_turn)
+                         max_calls_per_turn=cfg.max_calls_per_turn, on_tool_error=cfg.on_tool_error)
+    environment = None if cfg.environment is None else \
+        load_environment(cfg.environment, cfg.environment_args, seed, max_prompt_tokens)
     return TurnDriver(engine, tokenizer, load_tools(cfg.tools), pick_parser(cfg.parser, tokenizer.chat_template),
-                      limits, cfg.check_drift)
+                      limits, cfg.check_drift, environment)
+
+
+def tool_transcripts(cfg: AgentConfig, tokenizer: Any) -> Any:
+    """SFT's view of `agent`: the tools it presents and the call syntax it writes, as rollouts do."""
+    from rlft.data.tool_transcripts import TranscriptEncoder
+    from rlft.rollout.tool_calls import pick_parser, pick_writer
+    from rlft.rollout.tools import load_tools
+
+    return TranscriptEncoder(tokenizer, load_tools(cfg.tools), pick_parser(cfg.parser, tokenizer.chat_template),
+                             pick_writer(cfg.parser, tokenizer.chat_template), cfg.max_tool_output_tokens)
 
 
 def check_prompts_with_tools(driver: Any, prompts: Sequence[Any], limit: int, budget: int) -> None:
@@ -89,4 +104,4 @@ def sampling_params(cfg: RolloutConfig) -> SamplingParams:
 
 
 __all__ = ["Completion", "Engine", "SamplingParams", "build_engine", "check_prompts_with_tools", "rollout_dtype",
-           "rollout_engine", "sampling_params", "turn_driver"]
+           "rollout_engine", "sampling_params", "tool_transcripts", "turn_driver"]

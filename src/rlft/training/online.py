@@ -17,27 +17,29 @@ from typing import Any
 import torch
 from rich.markup import escape
 
-from rlft.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, make_kl_controller
+from rlft.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, make_kl_controller, reverse_kl_advantages
 from rlft.config import Config, DataConfig
 from rlft.data.mixing import TrainRows, read_train_rows
 from rlft.data.order import PromptSampler
 from rlft.data.prompts import PromptExample, make_prompt_encoder
 from rlft.data.readers import read_rows
 from rlft.data.validate import check_rows
-from rlft.errors import ConfigError, RewardError, TrainingHalted
+from rlft.errors import ConfigError, EnvironmentFailed, RewardError, TrainingHalted
 from rlft.eval.generation import evaluate_prompts
 from rlft.eval.suites import prepare_suites
 from rlft.models.loading import Reference, disable_dropout, load_policy, resolve_device
 from rlft.monitor.checks import infra_error_message
 from rlft.rewards.calls import ScoringInterrupted
 from rlft.monitor.stats import MetricAccumulator
-from rlft.rewards.scoring import RewardScorer, Scores
+from rlft.rewards.scoring import RewardScorer, Scores, build_scorer
 from rlft.rollout import check_prompts_with_tools, rollout_dtype, rollout_engine, sampling_params, turn_driver
 from rlft.rollout.batch import RolloutBatch
+from rlft.rollout.contract import trained_segments
 from rlft.training.collect import Rollout, collect_rollout
 from rlft.training.critic import Critic, build_critic
 from rlft.training.rl_update import UpdateSettings, policy_update, reference_logprobs, token_rewards
 from rlft.training import checkpoint as ckpt
+from rlft.training.distill import Teacher, load_teacher
 from rlft.training.distributed import SINGLE, World, gather_rows, shard
 from rlft.training.session import TrainingSession, evaluation, open_run, run_precision, session_for
 from rlft.training.sft_mix import build_sft_mix
@@ -59,26 +61,26 @@ def run_online(config: Config, world: World = SINGLE) -> dict[str, Any]:
         policy = load_policy(config.model, config.lora, precision.weight_dtype)
         disable_dropout(policy.model)  # on-policy, pi / pi_old must be exactly 1 (see rl_update)
         reference = Reference(policy) if config.needs_reference else None  # the starting weights
-        if world.active:  # shard what trains (and a frozen reference copy) across the ranks
+        teacher = load_teacher(config, policy.tokenizer, precision.weight_dtype) if config.teacher else None
+        if world.active:  # shard what trains (and the frozen reference and teacher) across the ranks
             policy.make_mirror()
             shard(policy.model, world)
-            if reference is not None and reference.frozen_copy is not None:
-                shard(reference.frozen_copy, world)
+            for frozen in (reference, teacher):
+                if frozen is not None and frozen.frozen_copy is not None:
+                    shard(frozen.frozen_copy, world)
         session = session_for(config, run, policy, world, precision)
         try:
-            return _train(config, session, reference, sample_dtype)
+            return _train(config, session, reference, sample_dtype, teacher)
         finally:
             session.loggers.close()
 
 
 def _train(config: Config, session: TrainingSession, reference: Reference | None,
-           sample_dtype: torch.dtype | None = None) -> dict[str, Any]:
+           sample_dtype: torch.dtype | None = None, teacher: Teacher | None = None) -> dict[str, Any]:
     a, d, sc, policy, world = config.algorithm, config.data, config.scoring, session.policy, session.world
     # a Ctrl-C may cut scoring short in one process; ranks stop together at a step's end instead
     should_stop = None if world.active else (lambda: session.stop_signal is not None)
-    scorer = RewardScorer(config.rewards, sc.max_workers, timeout_s=sc.timeout_s,
-                          max_consecutive_timeouts=sc.max_consecutive_timeouts, on_error=sc.on_reward_error,
-                          should_stop=should_stop, warn=None, max_abs_reward=sc.max_abs_reward)
+    scorer = build_scorer(config.rewards, sc, should_stop=should_stop, warn=None)
     needs = scorer.required_fields
     train_rows = read_train_rows(d, config.seed, lambda path: load_prompts(d, policy.tokenizer, path, d.split,
                                                                            "prompt", needs))
@@ -94,7 +96,7 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
     engine = rollout_engine(config.rollout, policy.unsharded(), config.seed, sample_dtype)  # whole weights
     driver = None
     if config.agent is not None:  # each rank runs its share's episodes (collect_rollout)
-        driver = turn_driver(config.agent, engine, policy.tokenizer)
+        driver = turn_driver(config.agent, engine, policy.tokenizer, config.seed, d.max_prompt_length)
         for examples in (prompts, evals, *(p.examples for p in suites)):
             check_prompts_with_tools(driver, examples, d.max_prompt_length, config.agent.max_total_tokens)
     kl_ctl = make_kl_controller(a.kl_coef, a.kl_target, a.kl_adapt_factor, a.kl_controller, a.kl_horizon)
@@ -124,11 +126,11 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
             except ScoringInterrupted:  # Ctrl-C while rewards ran: finish() saves the last completed step
                 step_start.restore()
                 break
-            except RewardError as exc:
+            except (RewardError, EnvironmentFailed) as exc:
                 _halt(session, step_start, str(exc))
             rollout.metrics.update(world_sums(world, _scoring_report(session, scorer)))
             _check_infra(session, rollout, sc.max_infra_error_rate, step_start)
-            metrics = online_step(session, rollout, reference, kl_ctl, settings, update_gen, critic, sft_mix)
+            metrics = online_step(session, rollout, reference, kl_ctl, settings, update_gen, critic, sft_mix, teacher)
             if metrics is None:  # every update was skipped (non-finite): draw a new batch
                 continue
             session.sync_mirror()  # a distributed run's whole copy, which the engine samples from
@@ -174,7 +176,7 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
 
 def online_step(session: TrainingSession, rollout: Rollout, reference: Reference | None, kl_ctl: Any,
                 s: UpdateSettings, generator: torch.Generator, critic: Critic | None = None,
-                sft_mix: Any = None) -> dict[str, float] | None:
+                sft_mix: Any = None, teacher: Teacher | None = None) -> dict[str, float] | None:
     """Advantages and policy updates for one scored rollout; returns the step's metrics. In a
     distributed run `rollout` is this rank's share; metrics and advantages are the global batch's."""
     world = session.world
@@ -206,13 +208,16 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
     global_rows, (first, stop) = gather_rows(world, rewards_tok, batch.completion_mask, batch.group_ids, valid,
                                              *(() if values is None else (values,)))
     rewards_g, mask_g, groups_g, valid_g = global_rows[:4]
-    if critic is None:
-        advantages_g, adv_metrics = ADVANTAGE_ESTIMATORS[s.advantage](
-            rewards_g, mask_g.bool(), groups_g, valid_g.bool(), std_floor=s.std_floor, gamma=s.gamma, lam=s.lam)
+    if teacher is not None:  # on-policy distillation: each token's own signal, from the teacher
+        advantages, adv_metrics = _distillation_advantages(session, teacher, batch, s)
     else:
-        advantages_g, adv_metrics = critic.targets.gae_advantages(global_rows[4], mask_g.bool(), groups_g, rewards_g,
-                                                                  valid_g.bool(), (first, stop))
-    advantages = advantages_g[first:stop, : batch.completion_len]
+        if critic is None:
+            advantages_g, adv_metrics = ADVANTAGE_ESTIMATORS[s.advantage](
+                rewards_g, mask_g.bool(), groups_g, valid_g.bool(), std_floor=s.std_floor, gamma=s.gamma, lam=s.lam)
+        else:
+            advantages_g, adv_metrics = critic.targets.gae_advantages(
+                global_rows[4], mask_g.bool(), groups_g, rewards_g, valid_g.bool(), (first, stop))
+        advantages = advantages_g[first:stop, : batch.completion_len]
     metrics.update(adv_metrics)
 
     # mu epochs x minibatches of clipped policy-gradient steps (the critic learns alongside)
@@ -233,14 +238,25 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
     return metrics
 
 
+def _distillation_advantages(session: TrainingSession, teacher: Teacher, batch: RolloutBatch,
+                             s: UpdateSettings) -> tuple[torch.Tensor, dict[str, float]]:
+    """The teacher's log-probs on the sampled tokens, minus the student's sampling log-probs; the
+    reverse KL metric is the global batch's mean per token."""
+    world = session.world
+    with session.autocast():
+        teacher_lp = reference_logprobs(teacher, batch, s.temperature, s.micro_batch_size, world, s.packing)
+    advantages, _ = reverse_kl_advantages(batch.sampling_logprobs, teacher_lp, batch.completion_mask)  # [N, T]
+    kl_sum, tokens = world.sum([float(-advantages.sum()), float(batch.completion_mask.sum())])
+    return advantages, {"distill/reverse_kl": kl_sum / max(tokens, 1.0)}
+
+
 def _rollout_metrics(session: TrainingSession, rollout: Rollout, beta: float) -> dict[str, float]:
     """The step's reward and length metrics over every rank's completions."""
     world = session.world
     local = (rollout.scores, [len(c.completion_ids) for c in rollout.completions],
              [c.finish_reason for c in rollout.completions])
     parts = world.gather(local)
-    scores = Scores([t for p in parts for t in p[0].total],
-                    {k: [v for p in parts for v in p[0].components.get(k, [])] for k in rollout.scores.components})
+    scores = Scores.concat([p[0] for p in parts])
     lengths = [n for p in parts for n in p[1]]
     finishes = [f for p in parts for f in p[2]]
     metrics: dict[str, float] = {**scores.metrics(), **rollout.metrics}
@@ -307,8 +323,8 @@ def _evaluate(session: TrainingSession, engine: Any, evals: list[PromptExample],
 
 
 def _halt(session: TrainingSession, step_start: "_StepStart | None", message: str) -> None:
-    """Stop the run on a reward failure, saving the last completed step (its state as it was when
-    that step ended: the abandoned step's rollout is undone first)."""
+    """Stop the run on a reward or environment failure, saving the last completed step (its state
+    as it was when that step ended: the abandoned step's rollout is undone first)."""
     if step_start is not None:
         step_start.restore()
     path = session.save_checkpoint() if session.step > 0 else None
@@ -342,10 +358,16 @@ def _log_samples(session: TrainingSession, rollout: Rollout, num_samples: int, e
         records.append({"step": session.step, "where": e.where, "prompt": e.prompt_text, "completion": c.text,
                         "reward": rollout.rewards[i], "finish_reason": c.finish_reason,
                         "components": {k: v[i] for k, v in rollout.scores.components.items()}})
+        if rollout.scores.info:  # notes of rewards (a judge's reply, an ensemble's members)
+            records[-1]["info"] = rollout.scores.sample_info(i)
         episode = getattr(c, "episode", None)
         if episode is not None:  # a multi-turn episode: its assistant and tool turns, in order
-            records[-1].update(transcript=episode.messages[len(e.messages):], turns=episode.turns,
-                               tool_calls=episode.tool_calls)
+            transcript = episode.messages[len(e.messages):]
+            records[-1].update(transcript=transcript, turns=episode.turns, tool_calls=episode.tool_calls,
+                               segments=trained_segments(c, session.policy.tokenizer.decode, transcript))
+        if episode is not None and episode.env_rewards is not None:  # the prompt may be its first observation
+            records[-1].update(prompt=episode.messages[len(e.messages) - 1]["content"], env_rewards=episode.env_rewards,
+                               env_done=episode.env_done, env_final=episode.env_final)
     session.log_samples(records)
     if records:
         r = records[0]

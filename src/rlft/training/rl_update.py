@@ -50,6 +50,7 @@ class UpdateSettings:
     minibatches: int
     micro_batch_size: int | None
     mask_truncated: bool
+    policy_loss: str = "clipped"  # a name in algorithms.POLICY_LOSSES
     rollout_correction: str = "none"
     tis_cap: float = 2.0
     packing: bool = False  # padding-free policy/reference forwards (same numbers as padded)
@@ -58,7 +59,8 @@ class UpdateSettings:
     def from_config(cls, config: Config) -> "UpdateSettings":
         a = config.algorithm
         return cls(temperature=config.rollout.temperature, advantage=a.advantage, std_floor=a.std_floor,
-                   gamma=a.gamma, lam=a.lam, kl_in_reward=a.kl_in == "reward", clip_low=a.clip_low, clip_high=a.clip_high,
+                   gamma=a.gamma, lam=a.lam, kl_in_reward=a.kl_in == "reward",
+                   policy_loss=a.policy_loss, clip_low=a.clip_low, clip_high=a.clip_high,
                    dual_clip=a.dual_clip, kl_estimator=a.kl_estimator, kl_in_loss=a.kl_in == "loss",
                    entropy_coef=a.entropy_coef, loss_agg=a.loss_agg, loss_constant=a.loss_constant,
                    epochs=a.epochs, minibatches=a.minibatches, micro_batch_size=a.micro_batch_size,
@@ -240,8 +242,8 @@ def _micro_loss(model: Any, sub: RolloutBatch, rows: Tensor, mask: Tensor, advan
     if old is None:  # single pass: this forward is pi_old, and the first look at the engine's numbers
         old = logprobs.detach()
         metrics.update(engine_mismatch(old, sub.sampling_logprobs, mask))
-    per_token, m = POLICY_LOSSES["clipped"](logprobs, old, advantages[rows, :t], mask,
-                                            clip_low=s.clip_low, clip_high=s.clip_high, dual_clip=s.dual_clip)
+    per_token, m = POLICY_LOSSES[s.policy_loss](logprobs, old, advantages[rows, :t], mask,
+                                                clip_low=s.clip_low, clip_high=s.clip_high, dual_clip=s.dual_clip)
     metrics.update(m)
     if s.rollout_correction == "tis":
         weights, tm = truncated_importance_weights(old, sub.sampling_logprobs, mask, s.tis_cap)
