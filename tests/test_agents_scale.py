@@ -125,6 +125,25 @@ def test_agent_metrics_of_a_split_batch_summed_over_ranks_equal_the_whole_batchs
     assert episode_metrics([], reduce=lambda counts: counts) == {}
 
 
+def test_a_later_turns_requests_are_capped_at_what_the_engine_holds():
+    """A later turn's episodes share one max_new_tokens (the largest budget left among them): a
+    long episode's request is capped at max_model_len (the driver cuts it at its own, smaller,
+    budget anyway); a first turn that does not fit is an error, never cut silently."""
+    from types import SimpleNamespace
+
+    from rlft.errors import ConfigError
+    from rlft.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM: only the engine's length
+    engine.llm = SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(max_model_len=100)))
+    params = SamplingParams(max_new_tokens=30)
+    assert engine._token_caps([[1] * 60, [1] * 90], params, later_turn=True) == [30, 10]  # 100 - 90
+    with pytest.raises(ConfigError, match="a prompt of 90 tokens plus max_new_tokens=30 exceeds .* max_model_len=100"):
+        engine._token_caps([[1] * 60, [1] * 90], params, later_turn=False)
+    with pytest.raises(ConfigError, match="max_model_len=100"):  # a context that fills the engine
+        engine._token_caps([[1] * 100], params, later_turn=True)
+
+
 # ---- end to end, with the model that uses the calculator --------------------------------------
 
 @pytest.fixture(scope="module")

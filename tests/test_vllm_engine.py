@@ -335,22 +335,6 @@ def test_merged_lora_state_equals_peft_merge(qwen_path):
     assert all(torch.equal(v, before[k]) for k, v in policy.model.state_dict().items())
 
 
-def test_a_later_turns_requests_are_capped_at_what_the_engine_holds():
-    """A later turn's episodes share one max_new_tokens (the largest budget left among them): a
-    long episode's request is capped at max_model_len (the driver cuts it at its own, smaller,
-    budget anyway); a first turn that does not fit is an error, never cut silently."""
-    from types import SimpleNamespace
-
-    engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM: only the engine's length
-    engine.llm = SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(max_model_len=100)))
-    params = SamplingParams(max_new_tokens=30)
-    assert engine._token_caps([[1] * 60, [1] * 90], params, later_turn=True) == [30, 10]  # 100 - 90
-    with pytest.raises(ConfigError, match="a prompt of 90 tokens plus max_new_tokens=30 exceeds .* max_model_len=100"):
-        engine._token_caps([[1] * 60, [1] * 90], params, later_turn=False)
-    with pytest.raises(ConfigError, match="max_model_len=100"):  # a context that fills the engine
-        engine._token_caps([[1] * 100], params, later_turn=True)
-
-
 def test_staleness_tracker():
     from rlft.rollout.vllm_weights import StalenessTracker
 
