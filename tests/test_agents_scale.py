@@ -197,6 +197,17 @@ def test_held_out_evals_and_suites_during_training_run_episodes(trained):
     assert len(suite) == len(SUMS) and all(s["tool_calls"] == 1 and s["correct"] for s in suite)
     tool = [m for m in suite[0]["transcript"] if m["role"] == "tool"]
     assert tool == [{"role": "tool", "name": "calculator", "content": str(sum(SUMS[0]))}]
+    # the agent's metrics are metrics the run logs: a setting may name them (checkpoint.keep_best ...)
+    from rlft.config import load_config
+    from rlft.errors import ConfigError
+    from rlft.monitor.catalogue import check_metric_setting
+
+    cfg = load_config(yaml.safe_load((trained / "config.yaml").read_text()))
+    for name in ("eval/agent/tool_error_rate", "agent/tool_calls_mean", "eval/sums/agent/turns_mean"):
+        check_metric_setting("checkpoint.keep_best", name, cfg, ["math"])
+    with pytest.raises(ConfigError, match="not a metric"):
+        check_metric_setting("checkpoint.keep_best", "agent/tool_calls_mean", cfg.model_copy(update={"agent": None}),
+                             ["math"])
 
 
 def test_rlft_eval_of_a_run_uses_its_agent_section(trained, calc, monkeypatch, capsys):

@@ -72,6 +72,8 @@ def metric_names(config: Any, components: list[str]) -> tuple[set[str], tuple[st
         names.update(_ONLINE_IF["critic"] if a.advantage == "gae" else ())
         if has_eval:
             names.update(_GENERATION_EVAL + _REWARD_EVAL + (f"eval/pass@{config.eval.num_samples}",))
+        if config.agent is not None:  # episodes: agent/... and env/... per step, under every eval's prefix too
+            prefixes += ["agent/", "env/"] + (["eval/agent/", "eval/env/"] if has_eval else [])
         return names, tuple(prefixes)
     train_keys, eval_keys = _BY_METHOD[config.method]
     names.update(_OFFLINE + train_keys)
