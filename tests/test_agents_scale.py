@@ -306,14 +306,14 @@ def _metric_rows(run: Path) -> list[dict]:
 
 def test_an_agent_run_killed_after_a_checkpoint_resumes_bitwise(calc, tmp_path):
     """Episodes sampled at temperature 1 (calls, tool results, the engine's call counter): a run
-    SIGKILLed right after its step-2 checkpoint and resumed ends where the uninterrupted run ends,
+    SIGKILLed right after its step-1 checkpoint and resumed ends where the uninterrupted run ends,
     bit for bit, with the same metrics and samples (tool latencies aside: wall-clock)."""
     from rlft.api import train
     from safetensors.torch import load_file
     from test_resume import run_cli
 
     def config(name: str) -> Path:
-        cfg = agent_config(calc, name, training={"max_steps": 3, "learning_rate": 1e-4},
+        cfg = agent_config(calc, name, training={"max_steps": 2, "learning_rate": 1e-4},
                            checkpoint={"every": 1}, logging={"sample_every": 1, "num_samples": 2})
         cfg["output_dir"] = str(tmp_path / name)
         path = tmp_path / f"{name}.yaml"
@@ -321,8 +321,8 @@ def test_an_agent_run_killed_after_a_checkpoint_resumes_bitwise(calc, tmp_path):
         return path
 
     assert train(config("whole"))["status"] == "completed"
-    killed = run_cli("train", str(config("killed")), env={"RLFT_FAULT": "ckpt-done@2"})
-    assert killed.returncode != 0 and (tmp_path / "killed" / "checkpoints" / "step-00000002").is_dir()
+    killed = run_cli("train", str(config("killed")), env={"RLFT_FAULT": "ckpt-done@1"})
+    assert killed.returncode != 0 and (tmp_path / "killed" / "checkpoints" / "step-00000001").is_dir()
     resumed = run_cli("train", str(tmp_path / "killed.yaml"))
     assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
 
@@ -332,6 +332,6 @@ def test_an_agent_run_killed_after_a_checkpoint_resumes_bitwise(calc, tmp_path):
 
     a, b = (load_file(str(tmp_path / run / "final" / "model.safetensors")) for run in ("whole", "killed"))
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert rows("whole") == rows("killed") and [r["step"] for r in rows("whole")] == [1, 2, 3]
+    assert rows("whole") == rows("killed") and [r["step"] for r in rows("whole")] == [1, 2]
     assert all(r["agent/tool_calls_mean"] > 0.5 for r in rows("whole"))
     assert (tmp_path / "whole" / "samples.jsonl").read_text() == (tmp_path / "killed" / "samples.jsonl").read_text()
