@@ -49,19 +49,23 @@ class AttentionCost:
 
     @classmethod
     def of(cls, config: Any) -> "AttentionCost":
-        """From a transformers config: 2 FLOPs per weight for the linears (q, k, v, o, a gated MLP),
-        4 per pair and head dimension for QK^T and PV, plus about 16 per pair and head for the mask,
-        softmax and their backward, which run at memory speed (a rough figure: it only has to rank
-        layouts whose costs differ by large factors)."""
+        """From a transformers config (see `from_shape`)."""
         cfg = getattr(config, "text_config", None) or config
         h = int(getattr(cfg, "hidden_size", 0) or 0)
         if not h:
             return cls(1.0, 0.0)
         heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
-        head_dim = int(getattr(cfg, "head_dim", None) or h // heads)
-        kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
-        inter = int(getattr(cfg, "intermediate_size", None) or 4 * h)
-        token = 2.0 * (2 * h * heads * head_dim + 2 * h * kv * head_dim + 3 * h * inter)
+        return cls.from_shape(h, heads, int(getattr(cfg, "head_dim", None) or h // heads),
+                              int(getattr(cfg, "num_key_value_heads", None) or heads),
+                              int(getattr(cfg, "intermediate_size", None) or 4 * h))
+
+    @classmethod
+    def from_shape(cls, hidden: int, heads: int, head_dim: int, kv_heads: int, intermediate: int) -> "AttentionCost":
+        """2 FLOPs per weight for the linears (q, k, v, o, a gated MLP), 4 per pair and head
+        dimension for QK^T and PV, plus about 16 per pair and head for the mask, softmax and their
+        backward, which run at memory speed (a rough figure: it only has to rank layouts whose
+        costs differ by large factors)."""
+        token = 2.0 * (2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * intermediate)
         return cls(token, 4.0 * heads * head_dim + 16.0 * heads)
 
     def segment(self, prompt: int, completions: list[int]) -> float:
@@ -125,26 +129,24 @@ def share_prefixes(input_ids: Tensor, attention_mask: Tensor, prompt_width: int,
     for row, g in enumerate(group_of):
         if lens[row] > 0:
             members.setdefault(g, []).append(row)
+    def completion(r: int) -> int:  # tokens after the prompt columns
+        return starts[r] + lens[r] - max(prompt_width, starts[r])
+
     segments = []
     for rows in members.values():
-        p = max(prompt_width - starts[rows[0]], 0)
-        outs = [starts[r] + lens[r] - prompt_width if p else lens[r] for r in rows]
-        k = len(rows) if cost is None or p == 0 else _completions_per_segment(cost, p, outs)
-        if p == 0:
-            k = 1  # nothing to share
-        for i in range(0, len(rows), k):
-            segments.append(_Segment((rows[i], starts[rows[i]]), p, rows[i:i + k]))
+        p = max(prompt_width - starts[rows[0]], 0)  # the same prompt: the same first column
+        k = len(rows) if cost is None else completions_per_segment(cost, p, [completion(r) for r in rows])
+        k = k if p else 1  # no prompt tokens: nothing to share
+        segments += [_Segment((rows[i], starts[rows[i]]), p, rows[i:i + k]) for i in range(0, len(rows), k)]
     if all(len(s.rows) == 1 for s in segments):
         return None
-    seg_lens = [s.prompt_len + sum(starts[r] + lens[r] - max(prompt_width, starts[r]) for r in s.rows)
-                for s in segments]
-    if cost is not None and _layout_cost(cost, seg_lens) >= _layout_cost(cost, [lens[r] for r in range(len(lens))
-                                                                                 if lens[r] > 0]):
+    seg_lens = [s.prompt_len + sum(completion(r) for r in s.rows) for s in segments]
+    if cost is not None and _layout_cost(cost, seg_lens) >= _layout_cost(cost, [n for n in lens if n > 0]):
         return None
     return _lay_out(input_ids, prompt_width, segments, seg_lens, starts, lens, pad_id)
 
 
-def _completions_per_segment(cost: AttentionCost, prompt: int, outs: list[int]) -> int:
+def completions_per_segment(cost: AttentionCost, prompt: int, outs: list[int]) -> int:
     """How many of a group's completions to put behind one prompt copy: the cheapest k."""
     def total(k: int) -> float:
         return sum(cost.segment(prompt, outs[i:i + k]) for i in range(0, len(outs), k))
