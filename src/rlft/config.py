@@ -146,6 +146,15 @@ class TrainingConfig(Section):
         True, description="Padding-free training forwards: a micro-batch's rows packed end to end with position ids "
                           "restarting at 0 (same losses and gradients as padded, to float32 rounding). Used where a "
                           "first-use probe confirms the model keeps packed rows apart; else the padded forward.")
+    shared_prefix: Literal["auto", "on", "off"] = Field(
+        "auto", description="Online methods: the G completions of a prompt computed behind one copy of it in every "
+                            "training forward (policy, reference, critic): one packed row [prompt | c1 | ... | cG] "
+                            "with a 4D attention mask (each completion sees the prompt and itself), same log-probs, "
+                            "values and gradients. auto: where a cost model says it saves work (long completions "
+                            "behind short prompts can cost more dense attention than they save), split into smaller "
+                            "segments when that is cheaper; on: always one segment per group; off: each row alone. "
+                            "Used where a first-use probe confirms the model honours the mask (eager, sdpa), else "
+                            "the plain forward.")
     learning_rate: float | None = Field(
         None, gt=0, description="Peak learning rate (AdamW); unset: the method's default.")
     lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")

@@ -193,7 +193,8 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
     ref_lp = kl_tok = None
     if reference is not None:
         with session.autocast():
-            ref_lp = reference_logprobs(reference, batch, s.temperature, s.micro_batch_size, world, s.packing)
+            ref_lp = reference_logprobs(reference, batch, s.temperature, s.micro_batch_size, world, s.packing,
+                                        s.shared_prefix)
         kl_tok = KL_ESTIMATORS[s.kl_estimator](batch.sampling_logprobs, ref_lp)  # [N, T]
         kl_sum, tokens = world.sum([float((kl_tok * batch.completion_mask).sum()), float(batch.completion_mask.sum())])
         metrics["kl"] = kl_sum / max(tokens, 1.0)
@@ -244,7 +245,8 @@ def _distillation_advantages(session: TrainingSession, teacher: Teacher, batch: 
     reverse KL metric is the global batch's mean per token."""
     world = session.world
     with session.autocast():
-        teacher_lp = reference_logprobs(teacher, batch, s.temperature, s.micro_batch_size, world, s.packing)
+        teacher_lp = reference_logprobs(teacher, batch, s.temperature, s.micro_batch_size, world, s.packing,
+                                        s.shared_prefix)
     advantages, _ = reverse_kl_advantages(batch.sampling_logprobs, teacher_lp, batch.completion_mask)  # [N, T]
     kl_sum, tokens = world.sum([float(-advantages.sum()), float(batch.completion_mask.sum())])
     return advantages, {"distill/reverse_kl": kl_sum / max(tokens, 1.0)}
