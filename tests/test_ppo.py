@@ -202,7 +202,7 @@ def test_ppo_trains_on_agent_episodes_with_tool_tokens(setup, kind, lr, monkeypa
     steps = 3
     script = [call_text("calculator", {"expression": "6*7"}), "It is 42."] * steps  # two engine calls per step
 
-    def scripted_driver(cfg, engine, tokenizer):
+    def scripted_driver(cfg, engine, tokenizer, *_):  # (seed, max_prompt_tokens): unused by the script
         return TurnDriver(ScriptedEngine(tokenizer, script), tokenizer, load_tools(cfg.tools), hermes,
                           AgentLimits(max_total_tokens=cfg.max_total_tokens))
 

@@ -102,8 +102,10 @@ EVAL_FLAGS = {"num_samples": "--samples", "temperature": "--temperature", "max_n
 
 
 @app.command(help="Evaluate a model folder or run directory on held-out prompts: accuracy, reward, pass@k "
-                   "(--compare: win rate). A run (or --config) with an agent section answers with multi-turn "
-                   "episodes and adds eval/agent/... metrics; override agent=null for single-turn answers.")
+                   "(--compare: win rate).\n\nA run (or --config) with an agent section answers with multi-turn "
+                   "episodes and adds eval/agent/... metrics; override agent=null for single-turn answers.",
+             short_help="Evaluate a model folder or run directory on held-out prompts: accuracy, reward, pass@k "
+                        "(--compare: win rate).")
 def eval(
     target: Path = typer.Argument(..., help="Model folder, or a run directory: its final/ with the run's own rewards "
                                             "and eval settings; results are saved to RUN/evals/<data>.json "
