@@ -34,8 +34,9 @@ def data(tmp_path_factory):
 def _config(qwen_path, data, out, limit, **sections):
     cfg = {"method": "grpo", "output_dir": str(out), "seed": 0, "model": {"path": str(qwen_path), "device": "cpu"},
            "data": {"train": str(data / "prompts.jsonl")},
+           # the hand-computed MiB below are the plain layout's (shared_prefix computes prompts once)
            "training": {"learning_rate": 1e-3, "max_steps": 1, "num_threads": 1, "precision": "fp32",
-                        "memory_limit_gb": limit},
+                        "memory_limit_gb": limit, "shared_prefix": "off"},
            "rollout": {"group_size": 8, "prompts_per_step": 4, "max_new_tokens": 16},
            "rewards": [{"fn": f"{data / 'rewards.py'}:digits"}], "logging": {"progress": False}}
     for key, value in sections.items():
