@@ -55,7 +55,7 @@ def sequential_oracle(cfg: dict, k: int) -> tuple[list[float], dict[str, torch.T
     """The run as one thread would do it, from primitives: batch b sampled (k = 0: by the engine on
     the live model, as the synchronous loop always did; k > 0: from a copy holding the full state
     dict of version max(0, b - k)), scored, then `online_step`. Returns (reward/mean per step, final
-    weights)."""
+    weights: the adapter's under LoRA)."""
     from rlft.memory_fit import fit_memory
     from rlft.models.loading import Reference, disable_dropout, load_policy, resolve_device
     from rlft.rollout import rollout_engine
@@ -90,25 +90,32 @@ def sequential_oracle(cfg: dict, k: int) -> tuple[list[float], dict[str, torch.T
             engine.sync_weights()
             history.append(copy.deepcopy(policy.model.state_dict()))
             rewards.append(step["reward/mean"])
+        if policy.is_lora:  # the adapter, named as final/adapter/ names it
+            from peft import get_peft_model_state_dict
+
+            return rewards, {k_: v.clone() for k_, v in get_peft_model_state_dict(policy.model).items()}
         return rewards, {k_: v.clone() for k_, v in policy.model.state_dict().items()}
 
 
-@pytest.mark.parametrize("k", [0, 1, 2])
-def test_runs_equal_the_sequential_oracle_bitwise(root, k):
+@pytest.mark.parametrize("k,lora", [(0, False), (1, False), (2, False), (1, True)])
+def test_runs_equal_the_sequential_oracle_bitwise(root, k, lora):
     """k = 0 is the synchronous loop as it was; k > 0 samples batch b from exactly version b - k,
-    whatever the threads' timing: same rewards at every step, same final weights, bit for bit."""
-    summary = train(grpo(root, f"run-k{k}", k))
+    whatever the threads' timing: same rewards at every step, same final weights, bit for bit.
+    Under LoRA the sampler's copy takes the adapter's weights."""
+    extra = {"lora": {"enabled": True, "r": 4, "alpha": 8, "dropout": 0.1}} if lora else {}
+    name = f"run-k{k}" + ("-lora" if lora else "")
+    summary = train(grpo(root, name, k, **extra))
     assert summary["status"] == "completed"
-    rows = metrics(root / f"run-k{k}")
-    rewards, weights = sequential_oracle(grpo(root, f"oracle-k{k}", k), k)
+    rows = metrics(root / name)
+    rewards, weights = sequential_oracle(grpo(root, f"oracle-{name}", k, **extra), k)
     assert [r["reward/mean"] for r in rows] == rewards
     assert [r["rollout/staleness_max"] for r in rows] == [float(min(b, k)) for b in range(6)]
-    trained = final_weights(root / f"run-k{k}")
-    for name, value in trained.items():
-        assert torch.equal(value, weights[name]), name
-    raw = [json.loads(line) for line in (root / f"run-k{k}" / "metrics.jsonl").read_text().splitlines()]
+    # under LoRA final/ holds the merged model and the adapter: compare the adapter
+    trained = {k_: v for k_, v in final_weights(root / name).items() if k_.startswith("adapter.") or not lora}
+    assert trained and all(torch.equal(v, weights[k_.removeprefix("adapter.")]) for k_, v in trained.items())
+    raw = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
     assert all(r["time/rollout_wait"] >= 0 for r in raw) and ("time/sampler_wait" in raw[-1]) == bool(k)
-    names, prefixes = metric_names(load_config(grpo(root, f"run-k{k}", k)), ["digits"])
+    names, prefixes = metric_names(load_config(grpo(root, name, k)), ["digits"])
     assert [key for key in raw[-1] if key not in names and not key.startswith(prefixes)] == []
 
 
@@ -238,11 +245,16 @@ def test_async_under_torchrun_is_refused_before_ranks_start(root):
 
 def test_bypass_uses_the_samplers_logprobs_as_pi_old(root):
     """k = 1 with bypass: the run trains (the final weights moved) and, from step 2 on, the first
-    update's ratio against the one-step-old sampler is not 1 (staleness 1 is in the clipping)."""
+    update's ratio against the one-step-old sampler is not 1 (staleness 1 is in the clipping);
+    evaluations run on the loop's thread while the sampler samples."""
     cfg = grpo(root, "bypass-k1", 1, steps=3, algorithm={"rollout_correction": "bypass", "epochs": 1,
-                                                         "minibatches": 1})
+                                                         "minibatches": 1},
+               # evaluations after every step: sampled and scored on the loop's thread beside the sampler's
+               data={"eval": str(root / "prompts.jsonl")}, training={"eval_every": 1},
+               eval={"max_examples": 4, "max_new_tokens": 8})
     assert train(cfg)["status"] == "completed"
     rows = metrics(root / "bypass-k1")
+    assert all("eval/reward_mean" in r for r in rows)
     assert rows[0]["rollout/logprob_diff_mean"] < 1e-4  # version 0 sampled, version 0 trained
     assert rows[2]["rollout/logprob_diff_mean"] > 1e-3 and rows[2]["rollout/staleness_max"] == 1
     start, end = final_weights(root / "bypass-k1"), load_file_weights(root / "model")
@@ -253,3 +265,14 @@ def load_file_weights(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(path / "model.safetensors"))
+
+
+def test_an_async_run_splits_the_free_cores_between_sampler_and_trainer():
+    """torch's thread count holds in every thread: two threads at torch's default of 2 on a 2-core
+    machine would be 4 busy-waiting OpenMP threads (training/threads.py)."""
+    from rlft.training.threads import choose_threads
+
+    threads, line, warned = choose_threads(None, 2, 2, 0.1, workers=2)
+    assert threads == 1 and not warned and "1 of 2 cores free per thread" in line
+    assert choose_threads(None, 8, 8, 0.0, workers=2)[0] == 4
+    assert choose_threads(2, 2, 2, 0.1, workers=2)[2]  # asked for 2 each: warned

@@ -102,12 +102,7 @@ def build_online(config: Config, session: TrainingSession, sample_dtype: torch.d
         raise ConfigError(f"rollout.async_steps={k} runs in one process so far (its sampler thread would gather "
                           "across ranks beside the trainer's collectives); launch without torchrun, or set "
                           "rollout.async_steps=0")
-    # a Ctrl-C may cut scoring short in one process; ranks stop together at a step's end instead,
-    # and a sampler thread always finishes its batch (a checkpoint saves it)
-    should_stop = None if world.active or k else (lambda: session.stop_signal is not None)
-    scorer = RewardScorer(config.rewards, sc.max_workers, timeout_s=sc.timeout_s,
-                          max_consecutive_timeouts=sc.max_consecutive_timeouts, on_error=sc.on_reward_error,
-                          should_stop=should_stop, warn=None, max_abs_reward=sc.max_abs_reward)
+    scorer = _scorer(config, session)
     needs = scorer.required_fields
     train_rows = read_train_rows(d, config.seed, lambda path: load_prompts(d, policy.tokenizer, path, d.split,
                                                                            "prompt", needs))
@@ -135,13 +130,9 @@ def build_online(config: Config, session: TrainingSession, sample_dtype: torch.d
                                                                           config.rollout.prompts_per_step)
     settings, params = UpdateSettings.from_config(config), sampling_params(config.rollout)
     critic = build_critic(config, session, settings, total) if a.advantage == "gae" else None
-    eval_scorer = scorer
-    if k:  # evaluations score on the loop's thread while the sampler thread scores its batches
-        lock = threading.Lock()
-        scorer, eval_scorer = SharedScorer(scorer, lock), SharedScorer(scorer, lock)
     maker = RolloutMaker(sample_engine, sampler, prompts, scorer, params, config.rollout.prompts_per_step,
                          a.dynamic_sampling, a.dynamic_sampling_max_rounds, world, driver)
-    rollouts = AsyncRollouts(maker, k, policy.unsharded().model, sampler_model) if k else SyncRollouts(maker)
+    rollouts, eval_scorer = _rollout_source(k, maker, policy.unsharded().model, sampler_model)
 
     for name, part in (*rollouts.parts().items(), ("kl", kl_ctl), ("update_generator", update_gen),
                        ("critic", critic), ("sft_mix", sft_mix)):
@@ -151,19 +142,41 @@ def build_online(config: Config, session: TrainingSession, sample_dtype: torch.d
                   critic, sft_mix, total, list({id(e): e for e in (sample_engine, engine)}.values()))
 
 
+def _scorer(config: Config, session: TrainingSession) -> RewardScorer:
+    sc = config.scoring
+    # a Ctrl-C may cut scoring short in one process; ranks stop together at a step's end instead,
+    # and a sampler thread always finishes its batch (a checkpoint saves it)
+    stop_early = not (session.world.active or config.rollout.async_steps)
+    return RewardScorer(config.rewards, sc.max_workers, timeout_s=sc.timeout_s,
+                        max_consecutive_timeouts=sc.max_consecutive_timeouts, on_error=sc.on_reward_error,
+                        should_stop=(lambda: session.stop_signal is not None) if stop_early else None, warn=None,
+                        max_abs_reward=sc.max_abs_reward)
+
+
+def _rollout_source(k: int, maker: RolloutMaker, trainer_model: Any,
+                    sampler_model: Any) -> tuple[SyncRollouts | AsyncRollouts, Any]:
+    """The rollouts of `maker`, in turn (k = 0) or from a sampler thread; and the scorer evaluations
+    use (async: the same rewards, each side's calls and reports taken under one lock)."""
+    if not k:
+        return SyncRollouts(maker), maker.scorer
+    lock = threading.Lock()
+    real = maker.scorer
+    maker.scorer = SharedScorer(real, lock)
+    return AsyncRollouts(maker, k, trainer_model, sampler_model), SharedScorer(real, lock)
+
+
 def _engines(config: Config, policy: Any, dtype: torch.dtype | None) -> tuple[Engine, Engine, Any]:
     """(the engine evaluations use, the engine rollouts use, the module the rollout engine samples
     from). Synchronous: one engine on the trainer's own (unsharded) module. Async: the sampler's
-    engine gets its own copy of the policy; evaluations sample the live one with the hf engine."""
-    engine = None if config.rollout.async_steps and config.rollout.engine == "vllm" else \
-        rollout_engine(config.rollout, policy, config.seed, dtype)
-    if not config.rollout.async_steps:
+    engine gets its own copy of the policy; evaluations sample the live weights on the loop's
+    thread with the hf engine (a vLLM engine is the sampler thread's alone)."""
+    r = config.rollout
+    if not r.async_steps:
+        engine = rollout_engine(r, policy, config.seed, dtype)
         return engine, engine, policy.model
-    copy_ = sampler_copy(policy)
-    sample_engine = rollout_engine(config.rollout, copy_, config.seed, dtype)
-    if engine is None:  # one vLLM engine: the sampler's; evaluations use the hf engine on the live weights
-        r = config.rollout
-        engine = build_engine(policy, config.seed, "hf", r.batch_size, r.fast_decode, dtype=dtype)
+    copy_ = sampler_copy(policy, torch.device("cpu") if r.engine == "vllm" else None)
+    sample_engine = rollout_engine(r, copy_, config.seed, dtype)
+    engine = build_engine(policy, config.seed, "hf", r.batch_size, r.fast_decode, dtype=dtype)
     return engine, sample_engine, copy_.model
 
 

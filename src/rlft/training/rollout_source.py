@@ -165,15 +165,21 @@ class SharedScorer:
         return out
 
     def __getattr__(self, name: str) -> Any:  # components, required_fields, ...
+        if name.startswith("_"):  # not yet set (a copy being built): no recursion through _scorer
+            raise AttributeError(name)
         return getattr(self._scorer, name)
 
 
-def sampler_copy(policy: Any) -> Any:
+def sampler_copy(policy: Any, device: torch.device | None = None) -> Any:
     """A LoadedModel whose module is a copy of `policy`'s (unsharded) one: what the sampler thread
-    samples from, while the trainer updates the original. Its parameters keep their requires_grad
-    flags: on CPU a no-grad forward took other kernels with them off (log-probs differed in the
-    7th digit), and the sampler must compute what the live module would."""
-    return dataclasses.replace(policy, model=copy.deepcopy(policy.model), mirror=None)
+    samples from (hf) or pushes to its engine (vllm: kept on `device`, the CPU, where it only
+    holds weights), while the trainer updates the original. Its parameters keep their
+    requires_grad flags: on CPU a no-grad forward took other kernels with them off (log-probs
+    differed in the 7th digit), and the sampler must compute what the live module would."""
+    model = copy.deepcopy(policy.model)
+    if device is not None:
+        model.to(device)
+    return dataclasses.replace(policy, model=model, mirror=None)
 
 
 def trained_tensors(model: Any) -> list[tuple[str, torch.Tensor]]:
