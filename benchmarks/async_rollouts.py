@@ -144,7 +144,8 @@ def summarise(rows: list[dict]) -> dict:
     waited = [r["time/rollout_wait"] / r["time/step"] for r in measured]
     out = {"s_per_step": statistics.median(step_s),
            "tokens_per_s": sum(r["completion/tokens"] for r in measured) / sum(step_s),
-           "sampler_idle": 1 - statistics.mean(busy), "trainer_idle": statistics.mean(waited),
+           # async: a batch's sampling can span more than one step (k = 2), so busy can pass 100%
+           "sampler_idle": max(0.0, 1 - statistics.mean(busy)), "trainer_idle": statistics.mean(waited),
            "train_reward_last": steps[-1]["reward/mean"], "heldout_reward": steps[-1].get("eval/reward_mean"),
            "staleness_max": max(r["rollout/staleness_max"] for r in steps), "steps": len(steps)}
     if "agent/tool_calls_mean" in steps[-1]:
@@ -211,12 +212,13 @@ def main() -> None:
     parser.add_argument("--agent-model", choices=["tiny", "small"], default="tiny")
     parser.add_argument("--time-limit", type=float, default=900, help="seconds per run (then: the steps it did)")
     parser.add_argument("--work", type=Path, default=HERE / "work")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "async_rollouts.json")
     args = parser.parse_args()
     work = args.work.resolve()
     results = []
     for workload in (["agent", "small"] if args.workload == "both" else [args.workload]):
         results += run_workload(workload, args, work)
-    out = HERE / "results" / "async_rollouts.json"
+    out = args.out
     out.write_text(json.dumps({"steps": args.steps, "cores": os.cpu_count(), "results": results}, indent=1))
     print(table(results))
     print(f"written {rel(out)}")
