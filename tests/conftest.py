@@ -1,6 +1,7 @@
 """Shared fixtures for the foundation tests: tiny models built once per session, a synthetic chat
 SFT dataset with a fixed answer format, a small-config helper, and helpers several test modules
-share (the in-process CLI runner, big-batch vs micro-batch gradients, a dense reward)."""
+share (the in-process CLI runner, big-batch vs micro-batch gradients, a dense reward, a scripted
+engine for multi-turn episodes)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,48 @@ def llama_path(tmp_path_factory) -> Path:
     from rlft.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", seed=0)
+
+
+# -- multi-turn episodes without a model that can write calls --------------------------------
+
+def call_text(name: str, arguments) -> str:
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+class ScriptedEngine:
+    """Turn t of every episode samples `script[t]` (text, encoded once, then end-of-turn); each
+    sampled token's log-prob is -(1 + its position) so that a misplaced one shows."""
+
+    def __init__(self, tokenizer, script: list[str], end_turn: bool = True):
+        from rlft.models.template import encode_text
+
+        self.tok, self.end_turn = tokenizer, end_turn
+        eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        # a turn is text (encoded the tokenizer's way) or raw ids (any split the model might sample)
+        self.turns = [(encode_text(tokenizer, t) if isinstance(t, str) else list(t)) + ([eot] if end_turn else [])
+                      for t in script]
+        self.contexts: list[list[list[int]]] = []  # per call: the contexts it continued
+        self.sampled: list[list[list[int]]] = []  # per call: the ids it returned per row
+        self.streams: list = []  # per call: the stream names it was given (None: a new request)
+
+    def generate(self, prompts, params, first_prompt: int = 0, streams=None):
+        from rlft.rollout.contract import Completion
+
+        turn = len(self.contexts)
+        self.contexts.append([list(p) for p in prompts])
+        self.streams.append(streams)
+        out = []
+        for i, p in enumerate(prompts):
+            for _ in range(params.n):
+                ids = self.turns[turn][: params.max_new_tokens]
+                finish = "stop" if len(ids) == len(self.turns[turn]) and self.end_turn else "length"
+                text = self.tok.decode(ids, skip_special_tokens=True)
+                for s in params.stop:  # as the HF engine: the text ends before a stop string, the ids do not
+                    text = text.split(s)[0]
+                out.append(Completion(list(p), ids, text,
+                                      [-(1.0 + k) for k in range(len(ids))], finish, i))
+        self.sampled.append([c.completion_ids for c in out])
+        return out
 
 
 def arithmetic_rows(n: int, seed: int) -> list[dict[str, Any]]:

@@ -1,7 +1,7 @@
 """A training run under torchrun (or alone) for tests/test_distributed.py.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/dist_driver.py [replay] CONFIG.yaml ...
-                                                                                     [real:CONFIG.yaml ...]
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/dist_driver.py [replay|replay-calls]
+                                                                       CONFIG.yaml ... [real:CONFIG.yaml ...]
 
 Several configs run one after another in the same processes (a process group is set up once: the
 tests pay the processes' start-up once). `replay` swaps the rollout engine for one whose completions depend only on (prompt, sample index,
@@ -9,10 +9,15 @@ call): the same in one process and on two ranks, so a test can compare the two r
 on "the same sampled completions and rewards" -- real sampling can flip one token when two
 layouts' logits differ in the last float bit, and the runs then part ways. `real:CONFIG` runs with
 the engine the config names (the HF engine, or vLLM), and so does every config after it.
+`replay-calls`: the replay engine writes a calculator call as every other completion (by its
+stream), so the runs' agent sections get multi-turn episodes; and, as a real engine's, a sample
+cut by a lower max_new_tokens is a prefix of the longer one (the turn driver asks each round for
+the most tokens any live episode may still take, which depends on the episodes sharing it).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -23,22 +28,33 @@ torch.set_num_threads(1)
 
 
 class ReplayEngine:
-    def __init__(self, tokenizer: Any, stop_ids: list[int]):
-        self.tokenizer, self.stop_id, self.calls = tokenizer, stop_ids[0], 0
+    def __init__(self, tokenizer: Any, stop_ids: list[int], tool_calls: bool = False):
+        self.tokenizer, self.stop_id, self.calls, self.tool_calls = tokenizer, stop_ids[0], 0, tool_calls
 
-    def generate(self, prompts, params, first_prompt: int = 0):
+    def generate(self, prompts, params, first_prompt: int = 0, streams=None):
+        """Named as the engine contract names streams: a later turn (`streams`) continues the last call."""
         from rlft.rollout.contract import Completion
-        from rlft.rollout.seeds import stream_seed
+        from rlft.rollout.seeds import request_seeds
 
-        call, self.calls = self.calls, self.calls + 1
+        call = self.calls if streams is None else self.calls - 1
+        self.calls += streams is None
+        seeds = request_seeds(0, "replay", call, len(prompts), params.n, first_prompt, streams)
         out = []
-        for i, prompt in enumerate(prompts):
-            for k in range(params.n):
-                g = torch.Generator().manual_seed(stream_seed(0, "replay", call, (first_prompt + i) * params.n + k))
-                n = int(torch.randint(1, params.max_new_tokens, (1,), generator=g))
-                ids = torch.randint(5, 300, (n,), generator=g).tolist() + [self.stop_id]
-                out.append(Completion(list(prompt), ids, self.tokenizer.decode(ids, skip_special_tokens=True),
-                                      [0.0] * len(ids), "stop", i))
+        for r, seed in enumerate(seeds):
+            g = torch.Generator().manual_seed(seed)
+            if self.tool_calls and int(torch.randint(0, 2, (1,), generator=g)):
+                a, b = torch.randint(0, 100, (2,), generator=g).tolist()
+                call = {"name": "calculator", "arguments": {"expression": f"{a} + {b}"}}
+                text = f"<tool_call>{json.dumps(call)}</tool_call>"
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            else:
+                n = int(torch.randint(1, 64 if self.tool_calls else params.max_new_tokens, (1,), generator=g))
+                ids = torch.randint(5, 300, (n,), generator=g).tolist()
+            ids.append(self.stop_id)
+            finish = "stop" if len(ids) <= params.max_new_tokens else "length"
+            ids = ids[: params.max_new_tokens]
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            out.append(Completion(list(prompts[r // params.n]), ids, text, [0.0] * len(ids), finish, r // params.n))
         return out
 
     def sync_weights(self) -> None:
@@ -60,12 +76,12 @@ class ReplayEngine:
         pass
 
 
-def use_replay_engine() -> None:
+def use_replay_engine(tool_calls: bool = False) -> None:
     import rlft.training.online as online
     from rlft.rollout.hf import generation_stop_ids
 
     online.rollout_engine = lambda cfg, policy, seed, dtype=None: ReplayEngine(
-        policy.tokenizer, generation_stop_ids(policy.model, policy.tokenizer))
+        policy.tokenizer, generation_stop_ids(policy.model, policy.tokenizer), tool_calls)
 
 
 def main() -> int:
@@ -75,9 +91,9 @@ def main() -> int:
 
     args = sys.argv[1:]
     real = online.rollout_engine
-    if args and args[0] == "replay":
+    if args and args[0] in ("replay", "replay-calls"):
+        use_replay_engine(tool_calls=args[0] == "replay-calls")
         args = args[1:]
-        use_replay_engine()
     status = []
     for config in args:
         if config.startswith("real:"):  # a real engine from here on (the config says which)

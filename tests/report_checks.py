@@ -50,3 +50,16 @@ def assert_report_shows_runs(report: Path, run_dirs: list[Path]) -> dict[str, di
             assert name in plotted[key], (key, name)
             assert plotted[key][name][0] == steps and plotted[key][name][1] == values, key
     return plotted
+
+
+_SEGMENT = re.compile(r"<div class='seg (trained|inserted)'><div class='label'>(.*?) &middot; [^<]*</div>"
+                      r"<pre>(.*?)</pre></div>", re.S)
+
+
+def shown_segments(html_page: str) -> list[dict]:
+    """The episode segments a report page shows, in page order, as samples.jsonl records them:
+    {"role", "text", "trained"} (the trained flag read from the segment's styling class)."""
+    from html import unescape
+
+    return [{"role": unescape(role), "text": unescape(text), "trained": cls == "trained"}
+            for cls, role, text in _SEGMENT.findall(html_page)]

@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from conftest import ScriptedEngine, call_text
 from rlft.errors import ConfigError
 from rlft.models.template import encode_text
 from rlft.rollout.batch import RolloutBatch
@@ -37,40 +38,6 @@ def tiny(tmp_path_factory):
     return path, load_policy(ModelConfig(path=str(path), device="cpu"), LoraConfig())
 
 
-def call_text(name: str, arguments) -> str:
-    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
-
-
-class ScriptedEngine:
-    """Turn t of every episode samples `script[t]` (text, encoded once, then end-of-turn); each
-    sampled token's log-prob is -(1 + its position) so that a misplaced one shows."""
-
-    def __init__(self, tokenizer, script: list[str], end_turn: bool = True):
-        self.tok, self.end_turn = tokenizer, end_turn
-        eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        # a turn is text (encoded the tokenizer's way) or raw ids (any split the model might sample)
-        self.turns = [(encode_text(tokenizer, t) if isinstance(t, str) else list(t)) + ([eot] if end_turn else [])
-                      for t in script]
-        self.contexts: list[list[list[int]]] = []  # per call: the contexts it continued
-        self.sampled: list[list[list[int]]] = []  # per call: the ids it returned per row
-
-    def generate(self, prompts, params: SamplingParams, first_prompt: int = 0) -> list[Completion]:
-        turn = len(self.contexts)
-        self.contexts.append([list(p) for p in prompts])
-        out = []
-        for i, p in enumerate(prompts):
-            for _ in range(params.n):
-                ids = self.turns[turn][: params.max_new_tokens]
-                finish = "stop" if len(ids) == len(self.turns[turn]) and self.end_turn else "length"
-                text = self.tok.decode(ids, skip_special_tokens=True)
-                for s in params.stop:  # as the HF engine: the text ends before a stop string, the ids do not
-                    text = text.split(s)[0]
-                out.append(Completion(list(p), ids, text,
-                                      [-(1.0 + k) for k in range(len(ids))], finish, i))
-        self.sampled.append([c.completion_ids for c in out])
-        return out
-
-
 def driver_for(policy, script, tools=("calculator",), end_turn=True, **limits):
     engine = ScriptedEngine(policy.tokenizer, script, end_turn)
     loaded = load_tools(list(tools)) if all(isinstance(t, str) for t in tools) else list(tools)
@@ -88,6 +55,7 @@ def test_the_loss_sees_exactly_the_sampled_ids_and_the_observations_between_them
     obs = driver.encoder.observation_ids(PROMPT, [{"role": "tool", "name": "calculator", "content": "85"}], turn1[-1])
     assert policy.tokenizer.decode(obs) == "\n<|im_start|>tool\n85<|im_end|>\n<|im_start|>assistant\n"
     assert engine.contexts[1] == [ep.prompt_ids + turn1 + obs]  # turn 2 continued the very same tokens
+    assert engine.streams == [None, ["0/0/2"]]  # turn 2 of prompt 0's sample 0, in the request turn 1 made
     assert ep.completion_ids == turn1 + obs + turn2
     assert ep.loss_mask == [1] * len(turn1) + [0] * len(obs) + [1] * len(turn2)
     assert ep.episode.turns == 2 and ep.episode.tool_calls == 1 and ep.episode.errors == {}
@@ -104,6 +72,32 @@ def test_the_loss_sees_exactly_the_sampled_ids_and_the_observations_between_them
     # sampling log-probs: each turn's own, in place; 0 on the observation
     expected_lp = [-(1.0 + k) for k in range(len(turn1))] + [0.0] * len(obs) + [-(1.0 + k) for k in range(len(turn2))]
     assert batch.sampling_logprobs[0].tolist() == expected_lp
+
+
+def test_samples_show_each_segment_of_an_episode_with_its_role_and_whether_it_was_trained(tiny):
+    """samples.jsonl's `segments`: the episode's ids cut where the loss mask changes, decoded with
+    the template's markers: turn 1 (trained), the tool result as inserted (untrained), turn 2."""
+    from rlft.rollout.contract import trained_segments
+
+    _, policy = tiny
+    tok = policy.tokenizer
+    driver, engine = driver_for(policy, [call_text("calculator", {"expression": "37 + 48"}), "The answer is 85."])
+    [ep] = driver.run([PROMPT], SamplingParams(n=1, max_new_tokens=200))
+    segments = trained_segments(ep, tok.decode, ep.episode.messages[len(PROMPT):])
+    assert segments == [
+        {"role": "assistant", "text": call_text("calculator", {"expression": "37 + 48"}) + "<|im_end|>", "trained": True},
+        {"role": "tool", "text": "\n<|im_start|>tool\n85<|im_end|>\n<|im_start|>assistant\n", "trained": False},
+        {"role": "assistant", "text": "The answer is 85.<|im_end|>", "trained": True}]
+    assert "".join(s["text"] for s in segments) == tok.decode(ep.completion_ids)
+    # token by token: each segment's ids carry its trained flag in the loss mask
+    runs = [(engine.sampled[0][0], True), (ep.completion_ids[len(engine.sampled[0][0]):-len(engine.sampled[1][0])],
+                                           False), (engine.sampled[1][0], True)]
+    assert ep.loss_mask == [int(trained) for ids, trained in runs for _ in ids]
+    assert [tok.decode(ids) for ids, _ in runs] == [s["text"] for s in segments]
+    # a single-turn completion is one trained assistant segment
+    single = Completion([1], [10, 11], "", [-1.0, -1.0], "stop", 0)
+    assert trained_segments(single, tok.decode, []) == [{"role": "assistant", "text": tok.decode([10, 11]),
+                                                         "trained": True}]
 
 
 def test_a_call_cut_off_by_a_stop_string_is_still_read_from_the_sampled_ids(tiny):
@@ -382,16 +376,20 @@ def test_tools_go_through_the_template_when_it_supports_them(tiny):
 def test_prompts_are_checked_for_length_with_the_tool_descriptions(tiny):
     from rlft.data.prompts import prompt_example
     from rlft.errors import DataError
-    from rlft.training.online import _check_prompts_with_tools
+    from rlft.rollout import check_prompts_with_tools
 
     _, policy = tiny
     driver, _ = driver_for(policy, [])
     example = prompt_example(policy.tokenizer, "prompts.jsonl:3", PROMPT, {})
     with_tools = len(driver.encoder.prompt_ids(PROMPT))
     assert with_tools > len(example.prompt_ids) + 50  # the schema block
-    _check_prompts_with_tools(driver, [example], with_tools)
+    check_prompts_with_tools(driver, [example], with_tools, 64)
     with pytest.raises(DataError, match=r"prompts.jsonl:3: .* longer than data.max_prompt_length"):
-        _check_prompts_with_tools(driver, [example], with_tools - 1)
+        check_prompts_with_tools(driver, [example], with_tools - 1, 64)
+    driver.engine.max_model_len = with_tools + 64  # a vLLM engine: prompt and episode budget must fit
+    check_prompts_with_tools(driver, [example], with_tools, 64)
+    with pytest.raises(ConfigError, match=r"agent.max_total_tokens=65 exceeds the vLLM engine's max_model_len"):
+        check_prompts_with_tools(driver, [example], with_tools, 65)
 
 
 def test_bad_tools_and_unsupported_setups_are_clear_errors(tmp_path):
@@ -423,10 +421,9 @@ def test_bad_tools_and_unsupported_setups_are_clear_errors(tmp_path):
             "rewards": [{"fn": "math"}], "agent": {"tools": ["calculator"]}}
     # Dr. GRPO's constant normaliser is the longest completion: with tools, the episode budget
     assert load_config({**base, "method": "dr_grpo"}).algorithm.loss_constant == 1024
-    with pytest.raises(ConfigError, match="online"):
-        load_config({**base, "method": "sft"})
-    with pytest.raises(ConfigError, match="engine=hf"):
-        load_config({**base, "method": "grpo", "rollout": {"engine": "vllm"}})
+    with pytest.raises(ConfigError, match="online rollouts and in SFT"):
+        load_config({**base, "method": "dpo"})
+    assert load_config({**base, "method": "sft"}).agent.tools == ["calculator"]  # SFT on tool-use transcripts
 
 
 CALC_REWARD = '''
@@ -463,3 +460,6 @@ def test_grpo_with_the_calculator_runs_and_logs_agent_metrics(tiny, tmp_path):
     assert steps[0]["agent/turns_mean"] >= 1
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert samples and all(s["transcript"][0]["role"] == "assistant" and s["turns"] >= 1 for s in samples)
+    for s in samples:  # turns alternate: sampled, then inserted, ...
+        assert [seg["trained"] for seg in s["segments"]] == [k % 2 == 0 for k in range(len(s["segments"]))]
+        assert s["segments"][0]["role"] == "assistant" and len(s["segments"]) <= 2 * s["turns"]

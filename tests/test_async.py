@@ -276,3 +276,15 @@ def test_an_async_run_splits_the_free_cores_between_sampler_and_trainer():
     assert threads == 1 and not warned and "1 of 2 cores free per thread" in line
     assert choose_threads(None, 8, 8, 0.0, workers=2)[0] == 4
     assert choose_threads(2, 2, 2, 0.1, workers=2)[2]  # asked for 2 each: warned
+
+
+def test_agent_episodes_run_on_the_sampler_thread_and_evaluations_on_the_loops(root):
+    """k = 1 with the calculator tool: episodes are the sampler thread's (its driver on its
+    engine), held-out episodes after each step the loop's (a second driver on the live weights)."""
+    cfg = grpo(root, "agent-k1", 1, steps=2, agent={"tools": ["calculator"], "max_turns": 2, "max_total_tokens": 32},
+               data={"eval": str(root / "prompts.jsonl")}, training={"eval_every": 1},
+               eval={"max_examples": 3, "max_new_tokens": 8})
+    assert train(cfg)["status"] == "completed"
+    rows = metrics(root / "agent-k1")
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0]
+    assert all("agent/turns_mean" in r and "eval/reward_mean" in r for r in rows)

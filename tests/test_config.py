@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlft.config import Config, dump_config, load_config
+from rlft.config import Config, config_warnings, dump_config, load_config
 from rlft.errors import ConfigError, RlftError
 from rlft.monitor.rundir import RunDir
 
@@ -190,6 +190,18 @@ def test_online_method_without_rewards_is_an_error():
 def test_dual_clip_must_exceed_one():
     message = config_error(online("grpo", algorithm={"dual_clip": 0.5}))
     assert "algorithm.dual_clip must be > 1" in message
+
+
+def test_sequence_and_weight_losses_as_parts_of_any_preset():
+    """policy_loss is a part like the others: a preset's choice, and any preset's to override."""
+    assert load_config(online("gspo")).algorithm.policy_loss == "gspo"
+    a = load_config(online("dapo", algorithm={"policy_loss": "cispo", "clip_low": 1.0})).algorithm
+    assert (a.policy_loss, a.clip_low, a.clip_high, a.dynamic_sampling) == ("cispo", 1.0, 0.28, True)
+    assert load_config(online("grpo")).algorithm.policy_loss == "clipped"
+    message = config_error(online("gspo", algorithm={"dual_clip": 3.0}))
+    assert "policy_loss gspo has no such term" in message
+    # cispo's wide upper bound is its design, not the wide-clip warning's concern
+    assert not [w for w in config_warnings(load_config(online("cispo"))) if "clip_high" in w]
 
 
 # -- saved config -----------------------------------------------------------------------------

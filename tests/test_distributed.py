@@ -80,15 +80,16 @@ def launch(*configs: Path, replay: bool = True, ranks: int = 2, env: dict | None
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env={**ENV, **(env or {})})
 
 
-def in_process(cfg: Path, replay: bool = True) -> dict:
-    """A single-process run in this process (the reference the ranks are compared with)."""
+def in_process(cfg: Path, replay: bool = True, tool_calls: bool = False) -> dict:
+    """A single-process run in this process (the reference the ranks are compared with);
+    `tool_calls`: the replay engine writes calculator calls (dist_driver's `replay-calls`)."""
     import rlft.training.online as online
     from dist_driver import use_replay_engine
     from rlft.api import train
 
     real = online.rollout_engine
     if replay:
-        use_replay_engine()
+        use_replay_engine(tool_calls)
     try:
         return train(cfg)
     finally:
@@ -121,6 +122,9 @@ def two_ranks(root) -> subprocess.CompletedProcess:
     torchrun: the processes start once; the vLLM run last, since an engine leaves its process
     group behind it when it closes)."""
     runs = [config(root, m, f"{m}{'-lora' if lora else ''}-2", lora) for m, lora in RUNS]
+    # each prompt once per group on both ranks (FSDP: the models' full-logits path), see below
+    runs += [config(root, "grpo", f"grpo{'-lora' if lora else ''}-prefix-2", lora, shared_prefix="on")
+             for lora in (False, True)]
     # the same run as sft-eval-2, one step longer: it resumes from sft-eval-2's last checkpoint
     more = config(root, "sft", "sft-eval-2", held_out=True, max_steps=3, eval_every=1, precision="fp32")
     more = more.rename(root / "sft-eval-2-more.yaml")
@@ -148,6 +152,20 @@ def test_two_ranks_train_what_one_process_trains(root, two_ranks, method, lora):
     assert [r["step"] for r in m2] == [r["step"] for r in m1] == [1, 2, 3]
     assert [r["loss"] for r in m2] == pytest.approx([r["loss"] for r in m1], rel=1e-5, abs=1e-7)
     assert (root / f"{name}-2" / "checkpoints" / "step-00000003" / "dcp").is_dir()  # every rank's shard
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_two_ranks_sharing_prompts_train_what_one_plain_process_trains(root, two_ranks, lora):
+    """training.shared_prefix: on, on two ranks (each group's prompt computed once in the policy's and
+    the reference's forwards), against one process with every row computed alone: the same
+    parameters after 3 steps to 1e-5 and the same logged losses."""
+    assert two_ranks.returncode == 0, two_ranks.stderr[-3000:]
+    name = f"grpo{'-lora' if lora else ''}"
+    plain = config(root, "grpo", f"{name}-plain-1", lora, shared_prefix="off")
+    assert in_process(plain)["status"] == "completed"
+    assert_close_weights(root / f"{name}-prefix-2", root / f"{name}-plain-1", atol=1e-5)
+    m2, m1 = metrics(root / f"{name}-prefix-2"), metrics(root / f"{name}-plain-1")
+    assert [r["loss"] for r in m2] == pytest.approx([r["loss"] for r in m1], rel=1e-5, abs=1e-7)
 
 
 def test_each_rank_samples_on_its_own_vllm_engine(root, two_ranks):

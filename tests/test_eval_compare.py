@@ -347,3 +347,76 @@ def test_cli_compare_clear_errors(monkeypatch, capsys, qwen_path, files, tmp_pat
     args = [a.format(tmp=tmp_path, root=root, qwen=qwen_path) for a in extra]
     result = run_main(monkeypatch, capsys, "eval", str(qwen_path), "--data", str(prompts), *args)
     assert message in assert_clean_user_error(result) + result.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# An LLM judge over HTTP (the stub server of tests/judge_stub.py)
+
+
+@pytest.fixture
+def judge_server():
+    from judge_stub import JudgeStub
+
+    server = JudgeStub()
+    yield server
+    server.close()
+
+
+def _llm_spec(server, name="grader"):
+    from judge_stub import MODEL, RUBRIC
+
+    return RewardSpec(fn="llm_judge", name=name, args={"base_url": server.base_url, "model": MODEL, "rubric": RUBRIC,
+                                                       "backoff_s": 0.01})
+
+
+def test_llm_judge_compares_pairs_in_seeded_order(monkeypatch, qwen_path, files, tmp_path, judge_server):
+    """The stub prefers the answer saying "good" more often: the verdicts follow the answers on
+    every seed, whichever was shown as A; a pair it gives no verdict is unscored, its reply kept."""
+    root, prompts = files
+    target, baseline = two_folders(qwen_path, tmp_path)
+    scripted(monkeypatch, {"target": [["good good"], ["good"], ["meh"], ["good"], ["garbage"], ["x"]],
+                           "baseline": [["good"], ["meh"], ["good"], ["good"], ["good"], ["x"]]})
+    judge = build_judge([RewardSpec(fn=f"{root}/rewards.py:length"), _llm_spec(judge_server)], judge="grader")
+    shown = set()
+    for seed in (0, 1):
+        c = compare_models(target, baseline, str(prompts), CFG, judge, device="cpu", seed=seed)
+        assert [r["verdict"] for r in c.records] == ["win", "win", "loss", "tie", "unscored", "tie"]
+        assert (c.result.wins, c.result.ties, c.result.losses, c.unscored) == (2, 2, 1, 1)
+        first = judge_positions(6, seed)
+        assert [r["shown_as_a"] == "target" for r in c.records] == first
+        # pair 0: TARGET's answer won, so the judge said "a" exactly where it was shown first
+        assert c.records[0]["judge_said"] == ("a" if first[0] else "b")
+        assert c.records[0]["judge_reply"] == f"Verdict: {'A' if first[0] else 'B'}"
+        assert c.records[4]["judge_said"] is None and c.records[4]["judge_reply"] == "Both have merits."
+        shown |= {r["shown_as_a"] for r in c.records}
+    assert shown == {"target", "baseline"}
+    assert judge.description.startswith("LLM judge grader (stub-judge at http://127.0.0.1:")
+
+
+def test_llm_judge_must_be_among_the_rewards(judge_server):
+    with pytest.raises(RlftError, match="have no llm_judge reward"):
+        build_judge([RewardSpec(fn="exact_match")], judge="llm_judge")
+    with pytest.raises(RlftError, match=r"several llm_judge rewards \(one, two\)"):
+        build_judge([_llm_spec(judge_server, "one"), _llm_spec(judge_server, "two")], judge="llm_judge")
+    with pytest.raises(RlftError, match=r"named 'three' \(they have: one\)"):
+        build_judge([_llm_spec(judge_server, "one")], judge="three")
+    assert "one" in build_judge([_llm_spec(judge_server, "one")], judge="llm_judge").description
+
+
+def test_cli_compare_with_an_llm_judge_from_the_config(monkeypatch, capsys, qwen_path, files, tmp_path, judge_server):
+    import yaml
+
+    root, prompts = files
+    config = tmp_path / "judge.yaml"
+    config.write_text(yaml.safe_dump({
+        "method": "grpo", "output_dir": str(tmp_path / "run"), "model": {"path": str(qwen_path), "device": "cpu"},
+        "data": {"train": str(prompts)}, "rewards": [_llm_spec(judge_server, "llm_judge").model_dump(mode="json")]}))
+    out = tmp_path / "cmp.json"
+    result = run_main(monkeypatch, capsys, "eval", str(qwen_path), "--data", str(prompts), "--compare", str(qwen_path),
+                      "--config", str(config), "--judge", "llm_judge", "--max-new-tokens", "4", "--out", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    saved = json.loads(out.read_text())
+    # the same model and seed on both sides: identical answers, and the stub counts "good" alike
+    assert saved["metrics"]["ties"] == 6 and saved["judge"].startswith("LLM judge llm_judge")
+    assert {r["judge_reply"] for r in saved["records"]} == {"Verdict: tie"}
+    assert len(judge_server.requests) == 6

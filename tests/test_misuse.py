@@ -243,6 +243,7 @@ def test_a_key_given_twice_names_the_file_the_key_and_both_lines(tmp_path):
 @pytest.mark.parametrize("override, why", [
     ("algorithm.clip_low=2", "clip_low must be in (0, 1)"),
     ("algorithm.clip_low=0", "clip_low must be in (0, 1)"),
+    ("algorithm.clip_low=1", "only policy_loss=cispo may set 1"),  # a lower bound of 0: no clip below
     ("algorithm.clip_high=0", "clip_high must be > 0"),
     ("algorithm.dual_clip=0.5", "algorithm.dual_clip must be > 1"),
     ("critic.value_clip=0", "greater than 0"),

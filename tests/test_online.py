@@ -87,6 +87,18 @@ def test_grpo_raises_reward_changes_parameters_and_logs_everything(setup):
     assert summary["status"] == "completed" and (run / "final" / "rlft_template.json").is_file()
 
 
+@pytest.mark.parametrize("method", ["gspo", "cispo"])
+def test_sequence_and_weight_clipped_presets_raise_reward(setup, method):
+    """GSPO and CISPO learn the digits task as GRPO does (same 8 steps, same bar)."""
+    cfg = _config(setup, f"learn-{method}")
+    cfg["method"] = method
+    assert train(cfg)["status"] == "completed"
+    rows = _metrics(setup / "runs" / f"learn-{method}")
+    first = sum(r["reward/mean"] for r in rows[:2]) / 2
+    last = sum(r["reward/mean"] for r in rows[-2:]) / 2
+    assert last > first + 0.1, (first, last)
+
+
 def test_all_equal_rewards_without_kl_leave_parameters_unchanged(setup):
     cfg = _config(setup, "flat", reward="constant", algorithm={"kl_coef": 0.0, "entropy_coef": 0.0},
                   training={"max_steps": 3})
@@ -170,13 +182,16 @@ def test_micro_batches_give_the_same_gradient(setup):
             torch.testing.assert_close(split[name], full[name], rtol=1e-5, atol=1e-6 * scale)
 
 
-def test_mu_epochs_and_minibatches(setup):
-    cfg = _config(setup, "mu", training={"max_steps": 2}, algorithm={"epochs": 2, "minibatches": 2})
+@pytest.mark.parametrize("policy_loss", ["clipped", "gspo", "cispo"])
+def test_mu_epochs_and_minibatches(setup, policy_loss):
+    cfg = _config(setup, f"mu-{policy_loss}", training={"max_steps": 2},
+                  algorithm={"epochs": 2, "minibatches": 2, "policy_loss": policy_loss})
     train(cfg)
-    rows = _metrics(setup / "runs" / "mu")
+    rows = _metrics(setup / "runs" / f"mu-{policy_loss}")
     assert all(r["update/optimizer_steps"] == 4.0 for r in rows)
-    # after the first minibatch step the policy has moved: the importance ratio leaves 1
-    assert max(r["ratio/max"] for r in rows) > 1.0 + 1e-4
+    # after the first minibatch step the policy has moved: the importance ratio (a sequence's under
+    # gspo) leaves 1
+    assert max(r["ratio/max"] for r in rows) > 1.0 + 1e-6
 
 
 # What each preset stands for (config.py's PRESETS cite the papers), written out here so a changed
@@ -190,6 +205,11 @@ PRESET_PROMISES = {
                  clip_low=0.2, clip_high=0.2, dynamic_sampling=False),
     "reinforce_pp": dict(advantage="reinforce_pp", loss_agg="token_mean", kl_coef=0.01, kl_in="reward",
                          kl_estimator="k1", clip_low=0.2, clip_high=0.2, dynamic_sampling=False),
+    # GSPO (arXiv:2507.18071): sequence ratio and clip, the paper's ranges, per-sequence mean
+    "gspo": dict(policy_loss="gspo", advantage="group_norm", loss_agg="sequence_mean", clip_low=3e-4,
+                 clip_high=4e-4, dual_clip=None),
+    # CISPO (arXiv:2506.13585): no lower bound on the weight, upper bound 1 + 3
+    "cispo": dict(policy_loss="cispo", advantage="group_norm", loss_agg="token_mean", clip_low=1.0, clip_high=3.0),
 }
 
 
@@ -386,6 +406,7 @@ def test_sample_lines_show_model_text_verbatim(reward, shown):
 
     from rich.console import Console
 
+    from rlft.rewards.scores import Scores
     from rlft.training.online import _log_samples
 
     out = io.StringIO()
@@ -395,7 +416,7 @@ def test_sample_lines_show_model_text_verbatim(reward, shown):
     rollout = SimpleNamespace(
         completions=[SimpleNamespace(text="see [/] and [bold]x[/bold]", finish_reason="stop")],
         examples=[SimpleNamespace(where="train.jsonl:3", prompt_text="What is [1+1]?")],
-        rewards=[reward], scores=SimpleNamespace(components={"correct": [reward]}))
+        rewards=[reward], scores=Scores([reward], {"correct": [reward]}))
     _log_samples(session, rollout, num_samples=1, every=5)
     text = out.getvalue()
     assert shown in text and "see [/] and [bold]x[/bold]" in text and "What is [1+1]?" in text

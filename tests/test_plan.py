@@ -207,3 +207,28 @@ def test_plan_lengths_come_from_the_data(qwen_path, tmp_path):
     setting = plan_input_from_config(sft, lengths=data_lengths(sft))
     assert setting.seq_len == max(len(e.input_ids) for e in encoded) < 1024
     assert setting.completion_len == max(sum(e.target_mask) for e in encoded)
+
+
+def test_shared_prefix_counts_each_prompt_once_per_segment():
+    """training.shared_prefix in the plan: a micro-batch of 16 rows (two groups of 8), prompts of
+    512 tokens and 128 completion tokens."""
+    from rlft.plan import shared_prefix_tokens
+
+    tiny = ModelShape.from_config(dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=4, vocab_size=512))
+    s = PlanInput(method="online", micro_batch_size=16, batch_size=16, seq_len=640, completion_len=128, group_size=8)
+    assert shared_prefix_tokens(tiny, s, 16) == (16 * 640, 640)  # off: every row whole
+    on = PlanInput(**{**s.__dict__, "shared_prefix": "on"})
+    # 2 prompts x 512 + 16 x 128 = 3072 tokens; attention over a segment of 512 + 8 x 128 = 1536
+    assert shared_prefix_tokens(tiny, on, 16) == (3072, 1536)
+    # auto, 16-token prompts before 1024-token completions: a segment of 8 would attend over 8208
+    # tokens; each row alone (the plain layout) is cheaper
+    long = PlanInput(**{**s.__dict__, "shared_prefix": "auto", "seq_len": 1040, "completion_len": 1024})
+    assert shared_prefix_tokens(tiny, long, 16) == (16 * 1040, 1040)
+    plain, shared = (by_name(plan_memory(dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                                              num_attention_heads=4, num_key_value_heads=4, vocab_size=512), x))
+                     for x in (s, on))
+    assert shared["activations"] < plain["activations"] / 2
+    # the engine prefills each of the 4 x 8 rows' 4 distinct prompts once: 4 prompts x 512 tokens x
+    # (4H + 3I = 1664) x 2 B + the [32, V] sampling tensors 5 x 32 x 512 x 4 B
+    assert plain["prefill + sampling working set"] == 4 * 512 * 1664 * 2 + 5 * 32 * 512 * 4 == 7_143_424

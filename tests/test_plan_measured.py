@@ -157,5 +157,6 @@ def test_plan_matches_measured_grpo_peak(qwen_path, data, tmp_path, lora, precis
     plan = plan_memory(AutoConfig.from_pretrained(qwen_path), PlanInput(
         method="online", lora=lora, precision=precision, param_dtype="fp32", device_type="cpu",
         micro_batch_size=32, batch_size=32, seq_len=lengths.pop() + new_tokens, completion_len=new_tokens,
-        group_size=8, prompts_per_step=4, reference=True))  # grpo's default kl_coef 0.04 > 0
+        group_size=8, prompts_per_step=4, reference=True,  # grpo's default kl_coef 0.04 > 0
+        shared_prefix="auto"))  # the default training.shared_prefix
     _check(plan, measured, phases)

@@ -133,3 +133,106 @@ def test_ppo_continues_exactly_from_a_checkpoint(setup, kind):
     strip_b = [{k: v for k, v in r.items() if not any(t in k for t in volatile) and not k.startswith("eval/")}
                for r in rows(b)]
     assert strip == strip_b
+
+
+def test_gae_and_value_targets_run_over_model_tokens_only_across_the_tool_gap():
+    """Tool tokens are not actions: GAE steps from one sampled token to the next sampled one, so
+    the return crosses an observation as if it were absent (value.py); advantages, returns and the
+    value loss's gradient are exactly 0 on tool tokens and padding. The values there (9, 7) are
+    garbage on purpose: using them would change every number below."""
+    from rlft.config import CriticConfig, load_config
+    from rlft.rollout.batch import RolloutBatch
+    from rlft.rollout.contract import Completion
+    from rlft.training.critic import _ValueTargets
+    from rlft.training.rl_update import UpdateSettings, token_rewards
+
+    settings = UpdateSettings.from_config(load_config({
+        "method": "ppo", "output_dir": "/tmp/unused", "model": {"path": "x"}, "data": {"train": "x"},
+        "rewards": [{"fn": "math"}]}))
+    # row 0: sampled, sampled, tool, tool, sampled; row 1: one turn of 3 tokens, then padding
+    comps = [Completion([5], [10, 11, 12, 13, 14], "", [-1.0] * 5, "stop", 0, loss_mask=[1, 1, 0, 0, 1]),
+             Completion([5], [10, 11, 12], "", [-1.0] * 3, "stop", 0)]
+    batch = RolloutBatch.from_completions(comps, [0, 0], 0, torch.device("cpu"))
+    mask = batch.completion_mask
+    rewards = token_rewards([1.0, 0.5], batch, None)  # on each row's last sampled token: columns 4 and 2
+    values = torch.tensor([[0.5, 0.25, 9.0, 9.0, 0.75], [0.5, 0.25, 0.125, 7.0, 7.0]])
+    targets = _ValueTargets(CriticConfig(whiten_advantages=False), settings, 0.5, 0.5, 1e-4)
+    adv, _ = targets.gae_advantages(values, mask, batch.group_ids, rewards, torch.ones(2, dtype=torch.bool), (0, 2))
+    # gamma = lam = 0.5. Row 0 over its sampled tokens (V 0.5, 0.25, 0.75; r 0, 0, 1):
+    #   A4 = 1 - 0.75 = 0.25;  A1 = (0.5*0.75 - 0.25) + 0.25*0.25 = 0.1875
+    #   A0 = (0.5*0.25 - 0.5) + 0.25*0.1875 = -0.328125;  returns = A + V = 0.171875, 0.4375, 1.0
+    # Row 1 (V 0.5, 0.25, 0.125; r 0, 0, 0.5):
+    #   A2 = 0.5 - 0.125 = 0.375;  A1 = (0.0625 - 0.25) + 0.25*0.375 = -0.09375
+    #   A0 = (0.125 - 0.5) + 0.25*(-0.09375) = -0.3984375;  returns = 0.1015625, 0.15625, 0.5
+    assert adv.tolist() == [[-0.328125, 0.1875, 0, 0, 0.25], [-0.3984375, -0.09375, 0.375, 0, 0]]
+    assert targets.returns.tolist() == [[0.171875, 0.4375, 0, 0, 1.0], [0.1015625, 0.15625, 0.5, 0, 0]]
+    # oracle: the same episode with the tool tokens cut out gives the same numbers on its tokens
+    packed = RolloutBatch.from_completions([Completion([5], [10, 11, 14], "", [-1.0] * 3, "stop", 0)], [0], 0,
+                                           torch.device("cpu"))
+    packed_adv, _ = _ValueTargets(CriticConfig(whiten_advantages=False), settings, 0.5, 0.5, 1e-4).gae_advantages(
+        values[:1, [0, 1, 4]], packed.completion_mask, packed.group_ids, token_rewards([1.0], packed, None),
+        torch.ones(1, dtype=torch.bool), (0, 1))
+    assert packed_adv[0].tolist() == adv[0, [0, 1, 4]].tolist()
+    # gamma = lam = 1: every sampled token's return is the episode's reward, A = reward - V
+    targets_1 = _ValueTargets(CriticConfig(whiten_advantages=False), settings, 1.0, 1.0, 1e-4)
+    adv_1, _ = targets_1.gae_advantages(values, mask, batch.group_ids, rewards, torch.ones(2, dtype=torch.bool),
+                                        (0, 2))
+    assert adv_1[0].tolist() == [0.5, 0.75, 0, 0, 0.25] and targets_1.returns[0].tolist() == [1.0, 1.0, 0, 0, 1.0]
+    # the value loss: no gradient reaches the values of tool tokens or padding
+    fitted = values.clone().requires_grad_()
+    loss, _ = targets.value_loss(fitted, torch.arange(2), mask, float(mask.sum()))
+    loss.backward()
+    assert torch.equal(fitted.grad[~mask], torch.zeros(int((~mask).sum())))
+    assert (fitted.grad[mask] != 0).all()
+
+
+@pytest.mark.parametrize("kind,lr", [("separate", 1e-5), ("shared", 1e-3)])  # rates as in the warm-up test
+def test_ppo_trains_on_agent_episodes_with_tool_tokens(setup, kind, lr, monkeypatch):
+    """PPO through the online loop on two-turn episodes (a calculator call, its result, an answer;
+    scripted, since a tiny random model almost never writes a valid call): the batch GAE sees has
+    a hole where the tool result sits, returns there are 0, the policy's weights move and the
+    critic fits the (repeating) returns."""
+    from rlft.rollout.tool_calls import hermes
+    from rlft.rollout.tools import load_tools
+    from rlft.rollout.turns import AgentLimits, TurnDriver
+    from rlft.training import critic as critics
+    from rlft.training import online
+    from test_agents import ScriptedEngine, call_text
+
+    steps = 3
+    script = [call_text("calculator", {"expression": "6*7"}), "It is 42."] * steps  # two engine calls per step
+
+    def scripted_driver(cfg, engine, tokenizer, *_):  # (seed, max_prompt_tokens): unused by the script
+        return TurnDriver(ScriptedEngine(tokenizer, script), tokenizer, load_tools(cfg.tools), hermes,
+                          AgentLimits(max_total_tokens=cfg.max_total_tokens))
+
+    seen = []
+    real_gae = critics._ValueTargets.gae_advantages
+
+    def watched_gae(self, values, mask, *args):
+        out = real_gae(self, values, mask, *args)
+        seen.append((mask.clone(), self.returns.clone()))
+        return out
+
+    monkeypatch.setattr(online, "turn_driver", scripted_driver)
+    monkeypatch.setattr(critics._ValueTargets, "gae_advantages", watched_gae)
+    # no KL in the reward: the scripted log-probs are made up, so the returns are the reward alone
+    cfg = ppo_config(setup, f"agent-{kind}", kind, algorithm={"kl_coef": 0.0},
+                     training={"max_steps": steps, "precision": "fp32", "learning_rate": lr},
+                     rollout={"group_size": 2, "prompts_per_step": 2, "max_new_tokens": 200},
+                     agent={"tools": ["calculator"], "max_total_tokens": 400})
+    cfg["data"].pop("eval")
+    assert train(cfg)["status"] == "completed"
+    assert len(seen) == steps
+    for mask, returns in seen:
+        for row in mask:  # tool tokens between the first sampled token and the last: a hole
+            sampled = row.nonzero().squeeze(-1)
+            assert not row[sampled[0]:sampled[-1]].all()
+        assert torch.equal(returns[~mask], torch.zeros(int((~mask).sum())))
+    logged = rows(setup / f"agent-{kind}")
+    assert all(r["agent/turns_mean"] == 2.0 and r["agent/tool_token_frac"] > 0 for r in logged)
+    assert all(r["update/optimizer_steps"] > 0 for r in logged)
+    assert logged[-1]["value/mse"] < logged[0]["value/mse"], [r["value/mse"] for r in logged]
+    before = load_file(str(setup / "model" / "model.safetensors"))
+    after = load_file(str(setup / f"agent-{kind}" / "final" / "model.safetensors"))
+    assert any(not torch.equal(before[k], after[k]) for k in before)

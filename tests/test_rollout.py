@@ -147,3 +147,34 @@ def test_a_completion_is_the_same_in_any_batch_and_on_any_rank(policy):
     assert len({tuple(c.completion_ids) for c in together}) > 4  # and the samples do differ
     other_seed = _engine(policy, seed=4).generate(prompts, params)
     assert [c.completion_ids for c in other_seed] != [c.completion_ids for c in together]
+
+
+@pytest.mark.parametrize("fast_decode", [True, False])
+def test_one_prefill_per_prompt_samples_what_a_prefill_per_row_does(policy, fast_decode):
+    """The n samples of a prompt share its prefill (one row per distinct prompt through the model,
+    its KV cache copied to the n rows): the same completions as one prefill per row, log-probs
+    equal to fp32 rounding, through the lean decoder and the model's own; also when a batch
+    (batch_size 3) splits a prompt's samples."""
+    prompts = _prompts(policy, ["What is 2 + 3?", "Count to five, slowly.", "x"])  # 3 prompt lengths
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=10)
+    prefill_rows = []
+    hook = policy.model.register_forward_pre_hook(
+        lambda mod, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape[0])
+        if kwargs["input_ids"].shape[1] > 1 else None, with_kwargs=True)
+    try:
+        out = {}
+        for share in (False, True):
+            for batch_size in (None, 3):
+                engine = HFEngine(policy.model, policy.tokenizer, end_of_turn_ids(policy.tokenizer), policy.device,
+                                  seed=5, batch_size=batch_size, fast_decode=fast_decode, share_prefill=share)
+                out[share, batch_size] = engine.generate(prompts, params)
+    finally:
+        hook.remove()
+    # per row: 12 rows, then 3 + 3 + 3 + 3; shared: 3 prompts, then batches of rows {0,0,0}, {0,1,1}, ...
+    assert prefill_rows == [12, 3, 3, 3, 3, 3, 1, 2, 2, 1]
+    for batch_size in (None, 3):
+        plain, shared = out[False, batch_size], out[True, batch_size]
+        assert [c.completion_ids for c in shared] == [c.completion_ids for c in plain]
+        for a, b in zip(plain, shared):
+            torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=1e-5, atol=1e-5)
+    assert len({tuple(c.completion_ids) for c in out[True, None]}) > 6  # and the samples do differ

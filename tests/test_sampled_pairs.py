@@ -22,9 +22,9 @@ SCORES = [
 TEXTS = {4: ["same", "same", "same", "same"]}
 
 
-def sample(prompt_ids_list, k):
-    return [TEXTS.get(ids[0], [f"answer {ids[0]}.{j}" for j in range(k)])[j]
-            for ids in prompt_ids_list for j in range(k)]
+def sample(examples, k):
+    return [TEXTS.get(e.prompt_ids[0], [f"answer {e.prompt_ids[0]}.{j}" for j in range(k)])[j]
+            for e in examples for j in range(k)]
 
 
 def score(example, texts):
@@ -97,8 +97,8 @@ def test_rlft_data_pairs_command(tmp_path, qwen_path, monkeypatch):
     class Plumbing:
         tokenizer = tok
 
-        def sample(self, prompt_ids_list, k):
-            return sample([[index[tuple(ids)]] for ids in prompt_ids_list], k)
+        def sample(self, examples, k):
+            return sample([PromptExample(e.where, e.messages, [index[tuple(e.prompt_ids)]]) for e in examples], k)
 
         def rewards(self, examples, texts):
             values = SCORES[int(examples[0].prompt_text.split()[-1])]

@@ -20,9 +20,9 @@ K = 10
 SOLVED = [0, 1, 5, 9, 10, 3]
 
 
-def scripted_sample(prompt_ids_list, k):
+def scripted_sample(examples, k):
     """Completion j of the prompt whose first token id is p reads 'p:j'."""
-    return [f"{ids[0]}:{j}" for ids in prompt_ids_list for j in range(k)]
+    return [f"{e.prompt_ids[0]}:{j}" for e in examples for j in range(k)]
 
 
 def solved(text: str) -> bool:
@@ -99,8 +99,8 @@ class FakePlumbing:
         self.index = {tuple(encode_prompt(tokenizer, [{"role": "user", "content": f"q{i}"}])): i
                       for i in range(len(SOLVED))}
 
-    def sample(self, prompt_ids_list, k):
-        return [f"{self.index[tuple(ids)]}:{j}" for ids in prompt_ids_list for j in range(k)]
+    def sample(self, examples, k):
+        return [f"{self.index[tuple(e.prompt_ids)]}:{j}" for e in examples for j in range(k)]
 
     def rewards(self, examples, texts):
         values = [float(solved(t)) for t in texts]

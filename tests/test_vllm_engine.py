@@ -231,6 +231,61 @@ def test_a_prompt_gets_the_same_samples_wherever_it_is_generated(full, prompts):
     assert [c.completion_ids for c in together[3:]] == [c.completion_ids for c in alone]
 
 
+class Recording:
+    """The engine, keeping every request: (contexts, stream names, completions)."""
+
+    def __init__(self, engine):
+        self.engine, self.requests = engine, []
+
+    def generate(self, prompts, params, first_prompt=0, streams=None):
+        out = self.engine.generate(prompts, params, first_prompt, streams)
+        self.requests.append(([list(p) for p in prompts], streams, out))
+        return out
+
+
+def test_multi_turn_episodes_continue_from_the_sampled_token_ids(full):
+    """Issue 25: episodes on the vLLM engine. Each later turn is a token-id request (the episode so
+    far, never re-encoded text) and each episode's trained sequence is exactly the ids vLLM sampled
+    with the observations between them, loss mask 1 on the sampled ids only. vLLM's log-probs of
+    every sampled id equal the trainer's over the whole sequence, so it continued from exactly
+    those ids; an episode is the same alone as in a batch (its later turns' streams are named)."""
+    from rlft.rollout.tools import load_tools
+    from rlft.rollout.turns import AgentLimits, TurnDriver
+    from test_agents_scale import QUESTIONS, calls_on_some_turns
+
+    policy, engine, _ = full
+    questions = [[{"role": "user", "content": q}] for q in QUESTIONS[:3]]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=10, stop=("a", "e"))  # most turns 'stop'
+
+    def driver(sampler):
+        return TurnDriver(sampler, policy.tokenizer, load_tools(["calculator"]), calls_on_some_turns,
+                          AgentLimits(max_turns=4, max_total_tokens=200))
+
+    recording = Recording(engine)
+    with engine.isolated_rng(0):  # calls from 0 whatever ran before
+        episodes = driver(recording).run(questions, params)
+    assert max(e.episode.turns for e in episodes) >= 3 and len(recording.requests) >= 3
+    rebuilt = {e: ([], []) for e in range(len(episodes))}  # episode -> (ids, mask) from the requests
+    for turn, (contexts, streams, outs) in enumerate(recording.requests, start=1):
+        for j, out in enumerate(outs):
+            i, k = (out.prompt_index, j % 2) if streams is None else map(int, streams[j].split("/")[:2])
+            assert streams is None or streams[j] == f"{i}/{k}/{turn}"
+            ids, mask = rebuilt[i * 2 + k]
+            inserted = contexts[j][len(episodes[i * 2 + k].prompt_ids) + len(ids):] if streams else []
+            assert streams is None or contexts[j][:len(episodes[i * 2 + k].prompt_ids) + len(ids)] == \
+                episodes[i * 2 + k].prompt_ids + ids  # the episode so far, token for token
+            ids += inserted + out.completion_ids
+            mask += [0] * len(inserted) + [1] * len(out.completion_ids)
+    for e, episode in enumerate(episodes):
+        assert (episode.completion_ids, episode.loss_mask) == rebuilt[e]
+        assert sum(episode.loss_mask) < len(episode.loss_mask) or episode.episode.turns == 1
+    assert any("<|im_start|>tool\n" in policy.tokenizer.decode(e.completion_ids) for e in episodes)
+    assert max_gap(policy, episodes, 1.0) <= TOL
+    with engine.isolated_rng(0):
+        alone = driver(engine).run(questions[1:2], params, first_prompt=1)
+    assert [c.completion_ids for c in alone] == [c.completion_ids for c in episodes[2:4]]
+
+
 def test_unsupported_sampling_is_refused(full, prompts):
     _, engine, _ = full
     with pytest.raises(ConfigError, match="top_p"):

@@ -102,7 +102,10 @@ EVAL_FLAGS = {"num_samples": "--samples", "temperature": "--temperature", "max_n
 
 
 @app.command(help="Evaluate a model folder or run directory on held-out prompts: accuracy, reward, pass@k "
-                   "(--compare: win rate).")
+                   "(--compare: win rate).\n\nA run (or --config) with an agent section answers with multi-turn "
+                   "episodes and adds eval/agent/... metrics; override agent=null for single-turn answers.",
+             short_help="Evaluate a model folder or run directory on held-out prompts: accuracy, reward, pass@k "
+                        "(--compare: win rate).")
 def eval(
     target: Path = typer.Argument(..., help="Model folder, or a run directory: its final/ with the run's own rewards "
                                             "and eval settings; results are saved to RUN/evals/<data>.json "
@@ -121,14 +124,17 @@ def eval(
     max_new_tokens: Optional[int] = typer.Option(None, help="Longest completion."),
     max_examples: Optional[str] = typer.Option(None, "--max-examples", help="Rows evaluated: N, or 'all' (default: "
                                                "eval.max_examples, 256; a cut is announced)."),
-    split: str = typer.Option("train", help="Split for hf: datasets."),
+    split: Optional[str] = typer.Option(None, help="Split for hf: datasets (default train; a reasoning_gym: source: "
+                                                   "test, its held-out rows)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write per-completion records (JSONL) here."),
     engine: str = typer.Option("hf", "--engine", help="Generation engine: hf, or vllm (rollout.vllm settings "
                                                        "from --config or the run)."),
     compare: Optional[Path] = typer.Option(None, "--compare", help="Baseline model folder or run: TARGET's win rate "
                                            "against it on the same prompts (--out: JSON report)."),
     judge: Optional[str] = typer.Option(None, "--judge", help="With --compare, module:function judging each pair: "
-                                        "judge(prompt, answer_a, answer_b, **row) -> 'a' | 'b' | 'tie'."),
+                                        "judge(prompt, answer_a, answer_b, **row) -> 'a' | 'b' | 'tie'; or "
+                                        "llm_judge (or its component name): the llm_judge reward of the run's or "
+                                        "--config's rewards, asked which answer is better."),
     judge_model: Optional[Path] = typer.Option(None, "--judge-model", help="With --compare, a reward model folder "
                                                "scoring each answer (higher wins)."),
 ) -> None:
@@ -167,6 +173,8 @@ def eval(
         except ValueError as exc:
             raise RlftError(str(exc)) from None
     vllm = settings.rollout.vllm if settings is not None else VllmSettings()
+    if split is None:  # a generated task's held-out rows unless asked otherwise
+        split = "test" if data is not None and data.startswith("reasoning_gym:") else "train"
     if data is None:
         if compare is not None or settings is None or not settings.eval.suites:
             raise RlftError("rlft eval: give --data FILE (held-out prompts); without it, the run (or --config) must "
@@ -176,19 +184,24 @@ def eval(
     if compare is not None or judge or judge_model:
         from rlft.eval.compare_report import compare_command
 
+        if settings is not None and settings.agent is not None:
+            console.print("note: --compare judges single-turn answers; the config's agent section (tools, episodes) "
+                          "is not used", highlight=False)
+
         compare_command(target, compare, data, cfg, rewards, explicit_rewards=bool(reward), judge=judge,
                         judge_model=judge_model, seed=seed, split=split, max_prompt_length=max_prompt,
                         scoring=scoring, engine=engine, vllm=vllm, out=out, run_dir=run_dir,
                         **({"max_row_bytes": max_row_bytes} if max_row_bytes else {}))
         return
     result = evaluate_model(target, data, rewards, cfg, split=split, seed=seed, max_prompt_length=max_prompt,
-                            scoring=scoring, engine=engine, vllm=vllm,
+                            scoring=scoring, engine=engine, vllm=vllm, agent=settings.agent if settings else None,
                             **({"max_row_bytes": max_row_bytes} if max_row_bytes else {}))
     if out is not None:
         write_records(result, out)
     if run_dir is not None:
         settings = {"eval": cfg.model_dump(mode="json"), "rewards": [r.model_dump(mode="json") for r in rewards],
-                    "seed": seed, "split": split}
+                    "seed": seed, "split": split,
+                    **({"agent": settings.agent.model_dump(mode="json")} if settings and settings.agent else {})}
         saved = save_run_eval(run_dir, data, result, settings)
         console.print(f"results saved to {saved} (the run's summary.json is left as training wrote it)")
     from rich.table import Table
@@ -207,7 +220,8 @@ def _eval_suites(target: Path, settings: Any, engine: str, run_dir: Optional[Pat
         write_records(result, out)
     if run_dir is not None:
         suites = [s.model_dump(mode="json") for s in settings.eval.suites]
-        saved = save_run_eval(run_dir, "suites", result, {"suites": suites, "seed": settings.seed})
+        agent = {"agent": settings.agent.model_dump(mode="json")} if settings.agent else {}
+        saved = save_run_eval(run_dir, "suites", result, {"suites": suites, "seed": settings.seed, **agent})
         console.print(f"results saved to {saved} (the run's summary.json is left as training wrote it)")
     from rich.table import Table
 

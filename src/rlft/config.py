@@ -23,8 +23,9 @@ from rlft.monitor.settings import LoggerSettings, MonitorConfig
 from rlft.section import Section
 
 OFFLINE_METHODS = ("sft", "dpo", "reward_model")
-ONLINE_METHODS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "ppo")
-Method = Literal["sft", "dpo", "reward_model", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "ppo"]
+ONLINE_METHODS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "ppo", "gspo", "cispo", "distill")
+Method = Literal["sft", "dpo", "reward_model", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "ppo", "gspo",
+                 "cispo", "distill"]
 
 
 class ModelConfig(Section):
@@ -100,14 +101,16 @@ class MixSource(Section):
 
 class DataConfig(Section):
     train: str | list[MixSource] = Field(
-        description="Training data: a .jsonl/.json/.parquet file, a saved HF dataset folder, or 'hf:NAME'; or a "
-                    "list of sources mixed in set proportions: [{path, weight}] or [{path, rows}] (optional name).")
+        description="Training data: a .jsonl/.json/.parquet file, a saved HF dataset folder, 'hf:NAME', or "
+                    "'reasoning_gym:TASK?size=N&eval_size=M&seed=S&SETTING=VALUE' (generated tasks); or a list of "
+                    "sources mixed in set proportions: [{path, weight}] or [{path, rows}] (optional name).")
     mix_epoch_size: int | None = Field(
         None, ge=1, description="Mixed sources: rows per epoch (default: the fixed 'rows' plus every weighted "
                                 "source's own size).")
     eval: str | None = Field(None, description="Held-out data in the same format; used for eval loss / accuracy.")
     split: str = Field("train", description="Split to read from an HF dataset given as 'hf:NAME'.")
-    eval_split: str | None = Field(None, description="Split for `eval` when it is 'hf:NAME'.")
+    eval_split: str | None = Field(None, description="Split for `eval` when it is 'hf:NAME' (a 'reasoning_gym:' eval: "
+                                                     "'test', its held-out rows, unless set).")
     max_prompt_length: int = Field(512, ge=1, description="Longest prompt in tokens; longer rows are reported.")
     max_length: int = Field(1024, ge=2, description="Longest prompt+answer in tokens for offline methods.")
     shuffle: bool = Field(True, description="Shuffle training rows each epoch (seeded).")
@@ -125,6 +128,13 @@ class DataConfig(Section):
             return value  # a list of sources: each MixSource resolves its own path
         return paths.data_location(_local(value, f"data.{info.field_name}"))
 
+    @model_validator(mode="after")
+    def _held_out_generated_rows(self) -> "DataConfig":
+        # the same generator location on both sides must not evaluate on the training questions
+        if self.eval and self.eval.startswith("reasoning_gym:") and self.eval_split is None:
+            self.eval_split = "test"
+        return self
+
 
 class TrainingConfig(Section):
     precision: Literal["auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16"] = Field(
@@ -136,6 +146,15 @@ class TrainingConfig(Section):
         True, description="Padding-free training forwards: a micro-batch's rows packed end to end with position ids "
                           "restarting at 0 (same losses and gradients as padded, to float32 rounding). Used where a "
                           "first-use probe confirms the model keeps packed rows apart; else the padded forward.")
+    shared_prefix: Literal["auto", "on", "off"] = Field(
+        "auto", description="Online methods: the G completions of a prompt computed behind one copy of it in every "
+                            "training forward (policy, reference, critic): one packed row [prompt | c1 | ... | cG] "
+                            "with a 4D attention mask (each completion sees the prompt and itself), same log-probs, "
+                            "values and gradients. auto: where a cost model says it saves work (long completions "
+                            "behind short prompts can cost more dense attention than they save), split into smaller "
+                            "segments when that is cheaper; on: always one segment per group; off: each row alone. "
+                            "Used where a first-use probe confirms the model honours the mask (eager, sdpa), else "
+                            "the plain forward.")
     learning_rate: float | None = Field(
         None, gt=0, description="Peak learning rate (AdamW); unset: the method's default.")
     lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
@@ -238,7 +257,8 @@ def check_vllm_sampling(temperature: float, top_p: float, top_k: int, where: str
                          f"{VLLM_MAX_TEMPERATURE} (vLLM's limit); lower it or use rollout.engine=hf")
 
 
-AdvantageName = Literal["group_norm", "group_mean", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"]
+AdvantageName = Literal["group_norm", "group_mean", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae",
+                        "reverse_kl"]
 
 
 class AlgorithmConfig(Section):
@@ -246,8 +266,13 @@ class AlgorithmConfig(Section):
 
     advantage: AdvantageName | None = Field(None, description="Advantage estimator.")
     std_floor: float | None = Field(None, ge=0, description="Group std is clamped to at least this before dividing.")
+    policy_loss: Literal["clipped", "gspo", "gspo_token", "cispo"] | None = Field(
+        None, description="Policy loss: 'clipped' (PPO's token-level clipped surrogate), 'gspo' (sequence-level ratio "
+                          "and clip, arXiv:2507.18071), 'gspo_token' (its per-token-advantage variant), 'cispo' "
+                          "(clipped stop-gradient weight on log pi, every token keeps a gradient; arXiv:2506.13585).")
     clip_low: float | None = Field(
-        None, description="Lower clip of the importance ratio: 1 - clip_low; in (0, 1), so the bound stays positive.")
+        None, description="Lower clip of the importance ratio: 1 - clip_low; in (0, 1), so the bound stays positive "
+                          "(cispo: up to 1, no lower bound on its weight).")
     clip_high: float | None = Field(
         None, description="Upper clip: 1 + clip_high, clip_high > 0 (DAPO clip-higher: 0.28).")
     dual_clip: float | None = Field(None, description="Dual-clip bound c > 1 for negative advantages (None: off).")
@@ -301,7 +326,7 @@ class AlgorithmConfig(Section):
         if value is None:
             return value
         name = info.field_name
-        if name == "clip_low" and not 0 < value < 1:
+        if name == "clip_low" and not 0 < value <= 1:  # 1 only for cispo: checked with the method
             raise ValueError(f"algorithm.clip_low={value:g}: the ratio's lower bound is 1 - clip_low, which must "
                              "lie in (0, 1), so clip_low must be in (0, 1) (PPO uses 0.2)")
         if name == "clip_high" and not value > 0:
@@ -319,7 +344,7 @@ class AlgorithmConfig(Section):
 
 
 _BASE_PRESET: dict[str, Any] = dict(
-    advantage="group_norm", std_floor=1e-4, clip_low=0.2, clip_high=0.2, dual_clip=None,
+    advantage="group_norm", policy_loss="clipped", std_floor=1e-4, clip_low=0.2, clip_high=0.2, dual_clip=None,
     kl_coef=0.04, kl_estimator="k3", kl_in="loss", kl_target=None, kl_adapt_factor=1.5,
     kl_controller="deadband", kl_horizon=10_000,
     entropy_coef=0.0, loss_agg="token_mean", loss_constant=None, epochs=1, minibatches=1,
@@ -338,6 +363,16 @@ PRESETS: dict[str, dict[str, Any]] = {
     "reinforce_pp": dict(advantage="reinforce_pp", kl_in="reward", kl_estimator="k1", kl_coef=0.01),
     # PPO with a critic and GAE; the sequence reward sits on the last valid token.
     "ppo": dict(advantage="gae", kl_in="reward", kl_estimator="k1", kl_coef=0.05, epochs=2),
+    # GSPO (arXiv:2507.18071): the sequence's length-normalised ratio, clipped at sequence level with
+    # the paper's ranges (3e-4, 4e-4), averaged per sequence.
+    "gspo": dict(policy_loss="gspo", clip_low=3e-4, clip_high=4e-4, loss_agg="sequence_mean"),
+    # CISPO (MiniMax-M1, arXiv:2506.13585): clipped stop-gradient weights, no lower bound as in the
+    # paper; the upper bound is a choice (the paper tunes it): weights at most 4.
+    "cispo": dict(policy_loss="cispo", clip_low=1.0, clip_high=3.0),
+    # On-policy distillation (Agarwal et al., arXiv:2306.13649; Thinking Machines' recipe): each sampled
+    # token's advantage is the teacher's log-prob minus the student's (minus the per-token reverse KL);
+    # rewards are only measured. No reference KL: the teacher is the anchor.
+    "distill": dict(advantage="reverse_kl", kl_coef=0.0),
 }
 
 
@@ -372,12 +407,26 @@ class CriticConfig(Section):
 
 
 class AgentConfig(Section):
-    """Multi-turn rollouts with tools (online methods, rollout.engine=hf, one process): each
-    assistant turn is sampled, its tool calls run, their results inserted (never trained on)."""
+    """Multi-turn rollouts with tools and/or an environment (online methods; either engine, any number
+    of ranks): each assistant turn is sampled, its tool calls run, their results inserted (never
+    trained on); a turn without calls is the environment's action, its observation inserted alike.
+    Held-out evals, eval suites, `rlft eval` of the run and `rlft data screen` run episodes too.
+    With method sft (the cold start on tool-use transcripts): `tools` and `parser` say how the
+    rows are shown (the tools in the prompt, each call in the parser's syntax) and
+    `max_tool_output_tokens` cuts results as rollouts do; the environment and the episode limits apply to
+    rollouts only."""
 
     tools: list[str] = Field(
+        default_factory=list,
         description="Tools the model may call: built-in 'calculator', or 'module:function' / 'file.py:function' "
                     "(type hints and a docstring with Args: give the schema the template shows).")
+    environment: str | None = Field(
+        None, description="What answers a turn without tool calls: 'module:Class' / 'file.py:Class' (reset(**row), "
+                          "step(text) -> (observation, reward, done); see rlft/rollout/environments.py) or "
+                          "'gem:<env id>' (gem-llm's games, e.g. gem:game:GuessTheNumber-v0-easy; pip install "
+                          "'rlft[gem]'). One instance per episode, made as Class(seed=..., **environment_args).")
+    environment_args: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for the environment's class (for gem: gem.make).")
     max_turns: int = Field(4, ge=1, description="Assistant turns per episode (each at most rollout.max_new_tokens); "
                                                 "a call on the last one is not run.")
     max_total_tokens: int = Field(
@@ -389,9 +438,48 @@ class AgentConfig(Section):
     check_drift: bool = Field(
         True, description="Re-render each finished episode through the template and log how many trained tokens "
                           "differ from it (agent/retokenize_drift): what re-tokenising would have trained on.")
-    parser: Literal["auto", "hermes"] = Field(
-        "auto", description="Tool-call syntax: hermes = <tool_call>{json}</tool_call> (Qwen, Hermes); auto picks it "
-                            "from the chat template.")
+    parser: Literal["auto", "hermes", "llama3_json"] = Field(
+        "auto", description="Tool-call syntax: hermes = <tool_call>{json}</tool_call> (Qwen, Hermes); llama3_json = "
+                            "the whole turn is {\"name\": ..., \"parameters\": {...}} (Llama 3.1-3.3); auto picks "
+                            "from the chat template (hermes when it names neither).")
+    on_tool_error: Literal["observe", "end"] = Field(
+        "observe", description="A turn whose calls include a failed one: observe = the model reads the error results "
+                               "and goes on; end = the episode ends there (finish 'stop', nothing inserted).")
+
+    @field_validator("environment")
+    @classmethod
+    def _environment_ref(cls, value: str | None) -> str | None:
+        if value is None or value.startswith("gem:"):
+            if value == "gem:":
+                raise ValueError("agent.environment 'gem:' names no environment; write e.g. "
+                                 "gem:game:GuessTheNumber-v0-easy")
+            return value
+        target, sep, attr = value.rpartition(":")
+        if not sep or not target or not attr:
+            raise ValueError(f"agent.environment {value!r}: write it as 'module:Class', 'path/file.py:Class' or "
+                             "'gem:<env id>'")
+        if target.endswith(".py"):
+            _local(target, f"agent.environment {value!r}")
+        return paths.function_ref(value)
+
+    @model_validator(mode="after")
+    def _tools_or_environment(self) -> "AgentConfig":
+        if not self.tools and self.environment is None:
+            raise ValueError("agent: give tools (agent.tools) or an environment (agent.environment), or both; "
+                             "without either an episode is one turn (drop the agent section)")
+        return self
+
+
+class TeacherConfig(Section):
+    """The teacher of on-policy distillation (method: distill): scores the student's own samples."""
+
+    path: str = Field(description="The teacher's weights (local folder or hub id); its tokenizer must map every "
+                                  "token as the student's does (checked at start-up).")
+
+    @field_validator("path")
+    @classmethod
+    def _model_location(cls, value: str) -> str:
+        return paths.existing(_local(value, "teacher.path"))
 
 
 class RewardSpec(Section):
@@ -411,12 +499,17 @@ class RewardSpec(Section):
     @field_validator("args")
     @classmethod
     def _reward_model_args(cls, args: dict[str, Any], info: Any) -> dict[str, Any]:
-        if info.data.get("fn") != "reward_model":
+        fn = info.data.get("fn")
+        if fn not in ("reward_model", "reward_model_ensemble"):
             return args
         if isinstance(args.get("device"), str):
-            check_device(args["device"], "reward_model args.device")
-        if isinstance(args.get("path"), str):  # the built-in reward model's weights: a folder or a hub id
+            check_device(args["device"], f"{fn} args.device")
+        if fn == "reward_model" and isinstance(args.get("path"), str):  # weights: a folder or a hub id
             return {**args, "path": paths.existing(_local(args["path"], "reward_model args.path"))}
+        members = args.get("paths")
+        if fn == "reward_model_ensemble" and isinstance(members, list) and all(isinstance(p, str) for p in members):
+            return {**args, "paths": [paths.existing(_local(p, f"reward_model_ensemble args.paths[{i}]"))
+                                      for i, p in enumerate(members)]}
         return args
 
     @property
@@ -593,12 +686,15 @@ class Config(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     rewards: list[RewardSpec] = Field(default_factory=list, description="Reward components (online methods).")
-    agent: AgentConfig | None = Field(None, description="Multi-turn rollouts with tools (None: single-turn).")
+    agent: AgentConfig | None = Field(
+        None, description="Multi-turn rollouts with tools and/or an environment (None: single-turn).")
     scoring: ScoringConfig = Field(default_factory=ScoringConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
+    teacher: TeacherConfig | None = Field(None, description="method: distill only: the model whose per-token "
+                                                            "log-probs the student learns from.")
     dpo: DpoConfig = Field(default_factory=DpoConfig)
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
@@ -648,17 +744,20 @@ class Config(Section):
         if self.algorithm.sft_mix and not self.is_online:
             raise ValueError(f"algorithm.sft_mix adds an SFT loss to online RL; method {self.method} does not use it")
         if self.agent is not None:
-            if not self.is_online:
-                raise ValueError(f"agent: tools are used in online rollouts; method {self.method} does not sample "
-                                 "(drop the agent section, or use an online method such as grpo)")
-            if self.rollout.engine != "hf":
-                raise ValueError("agent: multi-turn rollouts run on rollout.engine=hf only so far (the vLLM engine is "
-                                 "not tested with them); set rollout.engine: hf")
+            if not self.is_online and self.method != "sft":
+                raise ValueError(f"agent: tools are used in online rollouts and in SFT on tool-use transcripts; "
+                                 f"method {self.method} does neither (drop the agent section, or use sft or an "
+                                 "online method such as grpo)")
+        env_rewards = [r.component for r in self.rewards if r.fn == "environment"]
+        if env_rewards and (self.agent is None or self.agent.environment is None):
+            raise ValueError(f"rewards: {env_rewards[0]!r} (fn: environment) scores by an environment's rewards, "
+                             "and agent.environment is not set; set it, or drop that reward")
         if self.eval.suites and self.method == "reward_model":
             raise ValueError("eval.suites evaluate a policy's generations; a reward model does not generate "
                              "(its held-out metrics come from data.eval)")
+        self._check_distillation()
         if self.is_online:
-            if self.rollout.group_size < 2:
+            if self.rollout.group_size < 2 and self.method != "distill":  # distillation needs no group baseline
                 raise ValueError(
                     f"rollout.group_size is {self.rollout.group_size}; group-relative methods need at least 2 "
                     "completions per prompt (8 or 16 is typical)")
@@ -668,6 +767,13 @@ class Config(Section):
             a = self.algorithm
             if a.dual_clip is not None and a.dual_clip <= 1:
                 raise ValueError(f"algorithm.dual_clip must be > 1 (got {a.dual_clip}); null turns it off")
+            if a.dual_clip is not None and a.policy_loss != "clipped":
+                raise ValueError(f"algorithm.dual_clip bounds the token-level clipped surrogate; policy_loss "
+                                 f"{a.policy_loss} has no such term (drop dual_clip)")
+            if a.clip_low is not None and a.clip_low >= 1 and a.policy_loss != "cispo":
+                raise ValueError(f"algorithm.clip_low={a.clip_low:g}: the ratio's lower bound is 1 - clip_low, which "
+                                 "must lie in (0, 1), so clip_low must be in (0, 1) (PPO uses 0.2; only "
+                                 "policy_loss=cispo may set 1, no lower bound on its weight)")
             if a.kl_target is not None and not a.kl_coef:
                 raise ValueError(
                     f"algorithm.kl_target={a.kl_target} adapts beta multiplicatively, but beta starts at "
@@ -687,6 +793,20 @@ class Config(Section):
                 longest = self.agent.max_total_tokens if self.agent else self.rollout.max_new_tokens
                 self.algorithm.loss_constant = longest
         return self
+
+    def _check_distillation(self) -> None:
+        if self.method == "distill":
+            if self.teacher is None:
+                raise ValueError("method: distill learns from a teacher's log-probs; set teacher.path to the "
+                                 "teacher model (same tokenizer as model.path)")
+            if self.algorithm.advantage != "reverse_kl":
+                raise ValueError(f"method: distill takes its advantages from the teacher (advantage: reverse_kl); "
+                                 f"algorithm.advantage={self.algorithm.advantage} would ignore it")
+        elif self.teacher is not None:
+            raise ValueError(f"teacher: is used by method distill only; method {self.method} would ignore it "
+                             "(drop the teacher section, or set method: distill)")
+        elif self.is_online and self.algorithm.advantage == "reverse_kl":
+            raise ValueError("algorithm.advantage=reverse_kl needs a teacher: use method: distill with teacher.path")
 
     @property
     def is_online(self) -> bool:
@@ -764,7 +884,8 @@ def config_warnings(config: Config) -> list[str]:
     if config.is_online:
         for name in ("clip_low", "clip_high"):
             value = getattr(config.algorithm, name)
-            if value is not None and value > CLIP_WARN:
+            # cispo clips a weight, not the update: its wide range is the point
+            if value is not None and value > CLIP_WARN and config.algorithm.policy_loss != "cispo":
                 out.append(f"algorithm.{name}={value:g} is above {CLIP_WARN}: one update can move token "
                            "probabilities far from the sampling policy (PPO uses 0.2, DAPO's clip-higher 0.28)")
         a = config.algorithm

@@ -35,3 +35,8 @@ class TrainingHalted(RlftError):
 class RewardError(RlftError):
     """A reward function failed at run time: it raised, returned something that is not a reward,
     or timed out too often. The message names the reward, the row and the fix."""
+
+
+class EnvironmentFailed(RlftError):
+    """An agent environment failed at run time: its constructor, reset or step raised or returned
+    something the protocol does not allow. The message names the environment, the row and the fix."""

@@ -44,8 +44,8 @@ def existing(value: str) -> str:
 
 
 def data_location(value: str) -> str:
-    """A data source: 'hf:NAME' as written, else as `existing`."""
-    return value if value.startswith("hf:") else existing(value)
+    """A data source: 'hf:NAME' and 'reasoning_gym:TASK' as written, else as `existing`."""
+    return value if value.startswith(("hf:", "reasoning_gym:")) else existing(value)
 
 
 def function_ref(value: str) -> str:

@@ -160,6 +160,7 @@ class PlanInput:
     fast_decode: bool = True  # hf engine: fused copies of the projection weights while sampling
     async_steps: int = 0  # rollout.async_steps: a sampler thread with its own copy, sampling while training
     device_type: Literal["cuda", "cpu"] = "cuda"  # kernels: fused dropout and foreach AdamW on cuda
+    shared_prefix: Literal["auto", "on", "off"] = "off"  # online: training.shared_prefix
 
     @property
     def dropout_active(self) -> bool:
@@ -400,19 +401,19 @@ def plan_memory(model_config: Any, setting: PlanInput) -> MemoryPlan:
         notes.append("reference model: the policy with its adapters disabled (no extra memory)")
 
     rows = s.micro_batch_size * (2 if s.method == "dpo" else 1)  # dpo: chosen and rejected in one forward
-    tokens = rows * s.seq_len
-    per_layer = layer_activation_bytes(m, s, s.seq_len)
+    tokens, attended = shared_prefix_tokens(m, s, rows)
+    per_layer = layer_activation_bytes(m, s, attended)
     final_norm = _norm_bytes(s, m.hidden) + (0 if s.lora else b * m.hidden)  # + lm_head's input
     if s.gradient_checkpointing:
         # backward rebuilds one layer at a time, after the logits' gradient is gone
         acts = tokens * (m.layers * (4 if s.mixed else b) * m.hidden + final_norm)
         out.append(Component("activations (layer inputs)", acts, ("update", "recompute"),
-                             f"{rows} x {s.seq_len} tokens; gradient checkpointing keeps each layer's input"))
+                             f"{tokens} tokens; gradient checkpointing keeps each layer's input"))
         out.append(Component("recomputed layer", tokens * per_layer, ("recompute",),
                              f"one layer's saved tensors, {per_layer / 1024:.1f} KiB per token"))
     else:
         acts = tokens * (m.layers * per_layer + final_norm)
-        out.append(Component("activations", acts, ("update",), f"{rows} x {s.seq_len} tokens x {m.layers} layers x "
+        out.append(Component("activations", acts, ("update",), f"{tokens} tokens x {m.layers} layers x "
                              f"{per_layer / 1024:.1f} KiB per token and layer"))
 
     if s.quantization == "4bit":
@@ -442,6 +443,21 @@ def plan_memory(model_config: Any, setting: PlanInput) -> MemoryPlan:
     if s.online:
         _rollout(m, s, out, notes)
     return MemoryPlan(out, notes)
+
+
+def shared_prefix_tokens(m: ModelShape, s: PlanInput, rows: int) -> tuple[int, int]:
+    """(tokens, attended length) of a training micro-batch of `rows` rows: with training.shared_prefix,
+    one prompt per segment of k completions, attention over [prompt | k completions] (k as
+    `shared_prefix.completions_per_segment` picks it under 'auto'; a micro-batch holds whole groups)."""
+    if not s.online or s.shared_prefix == "off" or rows < 2:
+        return rows * s.seq_len, s.seq_len
+    from rlft.models.shared_prefix import AttentionCost, completions_per_segment
+
+    prompt, completion = s.seq_len - s.completion_len, s.completion_len
+    group = min(s.group_size, rows)
+    cost = AttentionCost.from_shape(m.hidden, m.heads, m.head_dim, m.kv_heads, m.intermediate)
+    k = group if s.shared_prefix == "on" else completions_per_segment(cost, prompt, [completion] * group)
+    return math.ceil(rows / k) * prompt + rows * completion, prompt + k * completion
 
 
 def _critic(m: ModelShape, s: PlanInput, out: list[Component], policy_acts: int) -> None:
@@ -493,9 +509,12 @@ def _rollout(m: ModelShape, s: PlanInput, out: list[Component], notes: list[str]
         copied = sum(linear.values()) if s.lora else sum(linear[k] for k in fused)
         out.append(Component("fast-decode fused weights", m.layers * copied * DTYPE_BYTES[s.param_dtype], phase,
                              "q|k|v and gate|up concatenated" + (", LoRA merged into every linear" if s.lora else "")))
-    prefill = gen_rows * prompt_len * (4 * m.hidden + 3 * m.intermediate) * b + 5 * gen_rows * m.vocab * 4
+    # one prefill per distinct prompt: a batch of rows in prompt order spans ceil(rows / G) prompts,
+    # one more when it starts inside a group
+    prompts = min(gen_rows, math.ceil(gen_rows / s.group_size) + (1 if gen_rows % s.group_size else 0))
+    prefill = prompts * prompt_len * (4 * m.hidden + 3 * m.intermediate) * b + 5 * gen_rows * m.vocab * 4
     out.append(Component("prefill + sampling working set", prefill, phase,
-                         "one layer at a time; [rows, V] probs"))
+                         f"one layer at a time, {prompts} prompts; [rows, V] probs"))
     if n > 1:
         out.append(Component("gathered weights for sampling", m.params() * DTYPE_BYTES[s.param_dtype], ("rollout",),
                              "the hf engine samples with full (unsharded) weights on each rank"))

@@ -75,7 +75,10 @@ def _encoder(config: Config, tokenizer: Any):
     if config.method == "sft":
         from rlft.data.sft_examples import make_sft_encoder
 
-        encode_sft = make_sft_encoder(tokenizer, end_ids, d.max_length)
+        from rlft.rollout import tool_transcripts
+
+        transcripts = tool_transcripts(config.agent, tokenizer) if config.agent else None
+        encode_sft = make_sft_encoder(tokenizer, end_ids, d.max_length, transcripts=transcripts)
 
         def sft(row: Any) -> tuple[int, int, int]:
             e = encode_sft(row)

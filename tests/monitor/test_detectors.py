@@ -230,3 +230,24 @@ def test_history_gives_every_detector_the_same_answer_as_the_list_of_records():
                 if from_list is not None:
                     fired.add(name)
     assert fired == set(DETECTORS)  # every detector was exercised both ways
+
+
+DIS = dict(metric="reward/disagreement", reward_metric="reward/mean", window=3, smooth=2, max_growth=0.5,
+           min_reward_rise=0.0)
+
+
+def test_reward_disagreement_fires_when_the_ensemble_disagrees_more_as_reward_rises():
+    # 5 records = window 3 + smooth 2. Start: records 1-2, end: records 4-5.
+    # disagreement 0.2, 0.2 -> 0.25, 0.35: (0.3 / 0.2) - 1 = +50%, not above the limit
+    rows = hist(**{"reward/disagreement": [0.2, 0.2, 0.3, 0.25, 0.35], "reward/mean": [1, 1, 2, 2, 2]})
+    assert DETECTORS["reward_disagreement"](rows, **DIS) is None
+    # end 0.25, 0.37 -> 0.31: +55% while the reward went 1 -> 2
+    rows = hist(**{"reward/disagreement": [0.2, 0.2, 0.3, 0.25, 0.37], "reward/mean": [1, 1, 2, 2, 2]})
+    alert = DETECTORS["reward_disagreement"](rows, **DIS)
+    assert alert is not None and alert.step == 5
+    assert alert.values["growth"] == pytest.approx(0.55) and alert.values["reward_rise"] == pytest.approx(1.0)
+    assert "0.2 -> 0.31" in alert.message
+    # the same growth with a falling reward is an ensemble that got less sure everywhere, not hacking
+    falling = hist(**{"reward/disagreement": [0.2, 0.2, 0.3, 0.25, 0.37], "reward/mean": [2, 2, 1, 1, 1]})
+    assert DETECTORS["reward_disagreement"](falling, **DIS) is None
+    assert DETECTORS["reward_disagreement"](rows[:4], **DIS) is None  # fewer than window + smooth records

@@ -8,10 +8,11 @@ import re
 
 import pytest
 
-from monitor.conftest import NASTY
+from monitor.conftest import NASTY, online_config, online_metrics, write_run
 from rlft.errors import RlftError
 from rlft.monitor.report import choose_sample_steps, config_differences, group_metrics, write_report
 from rlft.monitor.runlog import load_runs
+from report_checks import shown_segments
 
 LENGTH_EVENT = {"step": 12, "detector": "length_drift", "action": "warn",
                 "message": "completion/length_mean 52 is 30% longer than at the start (40)",
@@ -57,6 +58,25 @@ def test_samples_first_middle_last_or_chosen(make_online_run, tmp_path):
     run = make_online_run()
     page = write_report([run], tmp_path / "r.html", sample_steps=[20]).read_text()
     assert "<h3>step 20</h3>" in page and "<h3>step 10</h3>" not in page
+
+
+def test_a_multi_turn_sample_is_shown_whole_with_roles_and_its_trained_tokens_set_apart(tmp_path):
+    segments = [{"role": "assistant", "text": '<tool_call>{"name": "calculator"}</tool_call><|im_end|>',
+                 "trained": True},
+                {"role": "tool", "text": "\n<|im_start|>tool\n" + NASTY + "<|im_end|>\n<|im_start|>assistant\n",
+                 "trained": False},
+                {"role": "assistant", "text": "The answer is 85.<|im_end|>", "trained": True}]
+    samples = [{"step": 1, "where": "p.jsonl:1", "prompt": "What is 37 + 48?", "completion": "The answer is 85.",
+                "reward": 1.0, "finish_reason": "stop", "components": {}, "turns": 2, "tool_calls": 1,
+                "transcript": [], "segments": segments},
+               {"step": 1, "where": "p.jsonl:2", "prompt": "Hi", "completion": "single-turn text", "reward": 0.0,
+                "finish_reason": "stop", "components": {}}]
+    run = write_run(tmp_path / "agent", online_config(tmp_path / "agent"), online_metrics(2), samples)
+    page = write_report([run], tmp_path / "r.html").read_text()
+    assert shown_segments(page) == segments  # every segment, in order, with its role and trained flag
+    assert "episode &middot; turns 2 &middot; tool calls 1" in page and "not trained (inserted)" in page
+    assert "<script>window.__pwned" not in page  # tool output is text, never markup
+    assert "<pre>single-turn text</pre>" in page  # a sample without segments keeps its completion
 
 
 def test_several_runs_overlay_and_list_the_config_fields_that_differ(make_online_run, tmp_path):

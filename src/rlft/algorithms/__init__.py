@@ -4,7 +4,8 @@ Each family is a registry of functions behind one signature, so a trainer picks 
 name from the config and never branches on it.
 """
 
-from rlft.algorithms.advantages import ADVANTAGE_ESTIMATORS, sequence_scores, whiten, zero_variance_groups
+from rlft.algorithms.advantages import (ADVANTAGE_ESTIMATORS, reverse_kl_advantages, sequence_scores, whiten,
+                                        zero_variance_groups)
 from rlft.algorithms.aggregation import AGGREGATIONS, aggregate
 from rlft.algorithms.kl import (
     KL_ESTIMATORS,
@@ -34,6 +35,7 @@ __all__ = [
     "discounted_returns",
     "gae",
     "make_kl_controller",
+    "reverse_kl_advantages",
     "sequence_scores",
     "whiten",
     "zero_variance_groups",

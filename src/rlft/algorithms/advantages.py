@@ -211,3 +211,24 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
     "reinforce_pp_baseline": reinforce_pp_baseline,
     "gae": gae,
 }
+
+
+def reverse_kl_advantages(student_logprobs: Tensor, teacher_logprobs: Tensor,
+                          completion_mask: Tensor) -> tuple[Tensor, dict[str, float]]:
+    """On-policy distillation's per-token advantage (arXiv:2306.13649; Thinking Machines' "on-policy
+    distillation" recipe): A_t = log pi_teacher(y_t) - log pi_student(y_t), the negated per-token
+    reverse KL estimate on the student's own sample, with no discounting (each token answers for
+    itself). Maximising sum_t A_t log pi_student(y_t) lowers KL(student || teacher).
+    `[N, T] -> ([N, T], metrics)`; 0 outside the mask.
+
+    >>> adv, m = reverse_kl_advantages(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-0.5, -3.0]]),
+    ...                                torch.tensor([[True, True]]))
+    >>> adv  # the teacher likes token 1 more (+0.5), token 2 less (-1.0)
+    tensor([[ 0.5000, -1.0000]])
+    >>> m["distill/reverse_kl"]  # mean of student - teacher: (-0.5 + 1.0) / 2
+    0.25
+    """
+    mask = completion_mask.bool()
+    adv = torch.where(mask, teacher_logprobs.detach() - student_logprobs.detach(), 0.0)  # [N, T]
+    n = mask.sum().clamp(min=1)
+    return adv, {"distill/reverse_kl": float(-adv.sum() / n)}

@@ -36,8 +36,7 @@ def clipped(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, completi
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"dual_clip must be > 1 (got {dual_clip}); use None to turn it off")
     mask = completion_mask.bool()
-    # Padding may hold garbage logprobs: ratio 1 and A 0 there, so nothing non-finite is formed.
-    log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    log_ratio = _token_log_ratio(logprobs, old_logprobs, mask)  # [N, T]
     adv = torch.where(mask, advantages.detach(), 0.0)  # [N, T]
     ratio = log_ratio.exp()  # [N, T]
     surrogate = ratio * adv
@@ -51,28 +50,127 @@ def clipped(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, completi
     loss = torch.where(mask, loss, 0.0)
 
     with torch.no_grad():
-        n = mask.sum().clamp(min=1).to(ratio.dtype)
         low = (adv < 0) & (ratio < 1 - clip_low) & mask
         high = (adv > 0) & (ratio > 1 + clip_high) & mask
-        any_tok = bool(mask.any())
-        masked_ratio = ratio[mask]
-        # How far this update has moved: KL(pi_old || pi), estimated on tokens sampled from pi_old
-        # with k3 = (r - 1) - log r, r = pi / pi_old (Schulman, http://joschu.net/blog/kl-approx.html);
-        # veRL logs k1 (its ppo_kl) instead.
-        approx_kl = torch.where(mask, ratio - 1 - log_ratio, 0.0).sum() / n
-        metrics = {
-            "clip/low_frac": float(low.sum() / n),
-            "clip/high_frac": float(high.sum() / n),
-            "clip/dual_frac": float((dual_on & mask).sum() / n),
-            "ratio/mean": float(masked_ratio.mean()) if any_tok else 1.0,
-            "ratio/max": float(masked_ratio.max()) if any_tok else 1.0,
-            "ratio/min": float(masked_ratio.min()) if any_tok else 1.0,
-            "policy/approx_kl": float(approx_kl),
-        }
+        metrics = _ratio_metrics(ratio, log_ratio, mask, low, high)
+        metrics["clip/dual_frac"] = float((dual_on & mask).sum() / mask.sum().clamp(min=1))
     return loss, metrics
 
 
-POLICY_LOSSES: dict[str, PolicyLossFn] = {"clipped": clipped}
+def _ratio_metrics(ratio: Tensor, log_ratio: Tensor, mask: Tensor, low: Tensor, high: Tensor) -> dict[str, float]:
+    """Clip fractions (of the masked tokens) and the range of the ratio the loss uses (a sequence's
+    under GSPO); `low`/`high` mark clipped tokens; `log_ratio` is the token-level log(pi / pi_old)."""
+    n = mask.sum().clamp(min=1).to(ratio.dtype)
+    any_tok = bool(mask.any())
+    masked_ratio = ratio[mask]
+    # How far this update has moved: KL(pi_old || pi), estimated on tokens sampled from pi_old
+    # with k3 = (r - 1) - log r, r = pi / pi_old (Schulman, http://joschu.net/blog/kl-approx.html);
+    # veRL logs k1 (its ppo_kl) instead.
+    approx_kl = torch.where(mask, log_ratio.exp() - 1 - log_ratio, 0.0).sum() / n
+    return {"clip/low_frac": float(low.sum() / n), "clip/high_frac": float(high.sum() / n), "clip/dual_frac": 0.0,
+            "ratio/mean": float(masked_ratio.mean()) if any_tok else 1.0,
+            "ratio/max": float(masked_ratio.max()) if any_tok else 1.0,
+            "ratio/min": float(masked_ratio.min()) if any_tok else 1.0,
+            "policy/approx_kl": float(approx_kl)}
+
+
+def _no_dual_clip(name: str, dual_clip: float | None) -> None:
+    if dual_clip is not None:
+        raise ValueError(f"dual_clip bounds the token-level clipped surrogate; the {name} loss has no such "
+                         "term (use None)")
+
+
+def _token_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    # Padding may hold garbage logprobs: log-ratio 0 there, so nothing non-finite is formed.
+    return torch.where(mask, logprobs - old_logprobs.detach(), 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+
+
+def _sequence_log_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """log s_i = mean over the sequence's tokens of log(pi / pi_old): the log of GSPO's
+    length-normalised sequence ratio (pi(y_i) / pi_old(y_i)) ** (1 / |y_i|). `[N, T] -> [N, 1]`."""
+    lengths = mask.sum(-1, keepdim=True).clamp(min=1).to(log_ratio.dtype)
+    return log_ratio.sum(-1, keepdim=True) / lengths
+
+
+def gspo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, completion_mask: Tensor, *,
+         clip_low: float = 3e-4, clip_high: float = 4e-4,
+         dual_clip: float | None = None) -> tuple[Tensor, dict[str, float]]:
+    """GSPO (Zheng et al., arXiv:2507.18071): the importance ratio of a whole sequence,
+    s_i = (pi(y_i) / pi_old(y_i)) ** (1 / |y_i|), clipped at sequence level:
+    loss_i = -min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i), with A_i the sequence's
+    advantage (the mean of its token advantages: group advantages are constant along a sequence).
+
+    The sequence's loss is written on each of its tokens, so `loss_agg: sequence_mean` gives the
+    paper's objective (1/G sum_i loss_i); token_mean would weigh sequences by length. The paper's
+    clip ranges are ~1e-4 (3e-4, 4e-4) because s_i is a geometric mean; clip fractions count
+    tokens of clipped sequences.
+    """
+    _no_dual_clip("gspo", dual_clip)
+    mask = completion_mask.bool()
+    log_ratio = _token_log_ratio(logprobs, old_logprobs, mask)  # [N, T]
+    seq_ratio = _sequence_log_ratio(log_ratio, mask).exp()  # [N, 1]
+    lengths = mask.sum(-1, keepdim=True).clamp(min=1)
+    adv = (torch.where(mask, advantages.detach(), 0.0).sum(-1, keepdim=True) / lengths).to(seq_ratio.dtype)  # [N, 1]
+    seq_loss = -torch.minimum(seq_ratio * adv, seq_ratio.clamp(1 - clip_low, 1 + clip_high) * adv)  # [N, 1]
+    loss = torch.where(mask, seq_loss.expand_as(log_ratio), 0.0)  # [N, T]
+    with torch.no_grad():
+        ratio = seq_ratio.expand_as(log_ratio)
+        low = (adv < 0) & (ratio < 1 - clip_low) & mask
+        high = (adv > 0) & (ratio > 1 + clip_high) & mask
+        metrics = _ratio_metrics(ratio, log_ratio, mask, low, high)
+    return loss, metrics
+
+
+def gspo_token(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, completion_mask: Tensor, *,
+               clip_low: float = 3e-4, clip_high: float = 4e-4,
+               dual_clip: float | None = None) -> tuple[Tensor, dict[str, float]]:
+    """GSPO-token (arXiv:2507.18071, section 4.3): per-token advantages with the sequence ratio,
+    s_it = sg[s_i] * pi(y_t) / sg[pi(y_t)] -- numerically s_i, but each token's gradient is its own
+    log-prob's, scaled by s_i; loss_it = -min(s_it A_it, clip(s_it, 1 - clip_low, 1 + clip_high) A_it).
+    With A_it = A_i along each sequence and `loss_agg: sequence_mean`, its gradient equals GSPO's."""
+    _no_dual_clip("gspo_token", dual_clip)
+    mask = completion_mask.bool()
+    log_ratio = _token_log_ratio(logprobs, old_logprobs, mask)  # [N, T]
+    seq_log_ratio = _sequence_log_ratio(log_ratio, mask).detach()  # [N, 1]
+    current = torch.where(mask, logprobs, 0.0)
+    ratio = (seq_log_ratio + current - current.detach()).exp()  # [N, T] value s_i, gradient per token
+    adv = torch.where(mask, advantages.detach(), 0.0)
+    loss = -torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
+    loss = torch.where(mask, loss, 0.0)
+    with torch.no_grad():
+        low = (adv < 0) & (ratio < 1 - clip_low) & mask
+        high = (adv > 0) & (ratio > 1 + clip_high) & mask
+        metrics = _ratio_metrics(ratio, log_ratio, mask, low, high)
+    return loss, metrics
+
+
+def cispo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, completion_mask: Tensor, *,
+          clip_low: float = 1.0, clip_high: float = 3.0,
+          dual_clip: float | None = None) -> tuple[Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1, arXiv:2506.13585): clip the importance weight, not the update,
+    loss_t = -sg[clip(r_t, 1 - clip_low, 1 + clip_high)] * A_t * log pi(y_t), r_t = pi / pi_old.
+
+    Every token keeps a gradient (a PPO clip zeroes it once the ratio leaves the range, which
+    drops the rare "fork" tokens the paper cares about); the clip only bounds its weight. The
+    paper sets no lower bound (clip_low = 1: the weight is at least 0 anyway) and tunes the upper
+    one. At r = 1 the gradient equals the clipped surrogate's.
+    """
+    _no_dual_clip("cispo", dual_clip)
+    mask = completion_mask.bool()
+    log_ratio = _token_log_ratio(logprobs, old_logprobs, mask)  # [N, T]
+    ratio = log_ratio.exp()
+    weight = ratio.detach().clamp(1 - clip_low, 1 + clip_high)  # [N, T]
+    adv = torch.where(mask, advantages.detach(), 0.0)
+    loss = torch.where(mask, -weight * adv * torch.where(mask, logprobs, 0.0), 0.0)  # [N, T]
+    with torch.no_grad():
+        low = (ratio < 1 - clip_low) & mask  # weight clipped (the token still has a gradient)
+        high = (ratio > 1 + clip_high) & mask
+        metrics = _ratio_metrics(ratio, log_ratio, mask, low, high)
+    return loss, metrics
+
+
+POLICY_LOSSES: dict[str, PolicyLossFn] = {"clipped": clipped, "gspo": gspo, "gspo_token": gspo_token,
+                                          "cispo": cispo}
 
 
 def truncated_importance_weights(trainer_logprobs: Tensor, engine_logprobs: Tensor, completion_mask: Tensor,

@@ -3,6 +3,11 @@
 Shapes: N sequences, T completion positions; `completion_mask` is bool [N, T]. Masked positions
 are skipped, not treated as steps: the recursion carries its state across them, so a right-padded
 row and a row with holes (e.g. tool output left out of the loss) are both handled.
+
+Why skipped for tool output: its tokens are not actions but part of the environment's answer to
+the last one, so a step is one sampled token to the next sampled one, and gamma < 1 does not
+discount a reward by the length of a tool's reply (V after the reply is read from a state that
+includes it).
 """
 
 from __future__ import annotations

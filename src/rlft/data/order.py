@@ -43,6 +43,11 @@ class PromptSampler:
                 self.epoch, self.index = self.epoch + 1, 0
         return out
 
+    @property
+    def drawn(self) -> int:
+        """Prompts drawn so far: the next one's draw number (it names the prompt's episode seeds)."""
+        return self.epoch * self.n + self.index
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "index": self.index}
 

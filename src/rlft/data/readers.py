@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rlft.config import DataConfig
+from rlft.data.reasoning_gym import is_reasoning_gym, read_reasoning_gym
 from rlft.errors import DataError
 
 # data.max_row_bytes: callers that do not pass the setting still get the guard at its default
@@ -34,7 +35,7 @@ def read_rows(source: str, split: str = "train", max_row_bytes: int = DEFAULT_MA
 
 def check_source(source: str, setting: str = "data.train / data.eval") -> None:
     """A local data source exists (a hub dataset, 'hf:NAME', is found when it is read)."""
-    if not source.startswith("hf:") and not Path(source).exists():
+    if not source.startswith(("hf:", "reasoning_gym:")) and not Path(source).exists():
         raise DataError(f"data file not found: {source}\nFix: " + (
             f"{source!r} is written in Windows style (a drive letter or backslashes), which this system does "
             f"not read as a path; write it with '/', e.g. {windows_to_posix(source)!r}"
@@ -44,6 +45,8 @@ def check_source(source: str, setting: str = "data.train / data.eval") -> None:
 def _read(source: str, split: str, max_row_bytes: int) -> list[Row]:
     if source.startswith("hf:"):
         return _read_hub(source[3:], split)
+    if is_reasoning_gym(source):
+        return read_reasoning_gym(source, split)
     check_source(source)
     path = Path(source)
     if path.is_dir():

@@ -84,7 +84,7 @@ def sample_pairs(examples: Sequence[PromptExample], sample: Sampler, score: Batc
     counts = PairCounts()
     for start in range(0, len(examples), batch_prompts):
         chunk = list(examples[start:start + batch_prompts])
-        completions = list(sample([e.prompt_ids for e in chunk], n))
+        completions = list(sample(chunk, n))
         if len(completions) != n * len(chunk):
             raise ValueError(f"the sampler returned {len(completions)} completions for {len(chunk)} prompts x {n}")
         for i, example in enumerate(chunk):

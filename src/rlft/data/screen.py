@@ -6,12 +6,12 @@ reward, hence zero advantage in GRPO-style training: it costs a rollout and teac
 `screen_prompts` samples k completions per prompt, scores them, and keeps prompts whose pass rate
 lies in [low, high] (inclusive).
 
-The sampler and the scorer are small callables, so the same code runs with the hf engine, vLLM
-or a test double:
-- `sample(prompt_ids_list, k)` returns k completions per prompt, grouped by prompt
+The sampler and the scorer are small callables, so the same code runs with the hf engine, vLLM,
+multi-turn episodes (a config's agent section) or a test double:
+- `sample(examples, k)` returns k completions per prompt example, grouped by prompt
   ([p0 c0..c(k-1), p1 c0.., ...], as `Engine.generate`), each a `Completion` or a string;
-- `score(example, completion_text)` returns True/False (correct), a reward (correct when
-  >= threshold), or None (could not be verified: left out of that prompt's pass rate).
+- `score(example, completion)` gets one of them and returns True/False (correct), a reward
+  (correct when >= threshold), or None (could not be verified: left out of that prompt's pass rate).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from rlft.data.prompts import PromptExample
 
 
 class Sampler(Protocol):
-    def __call__(self, prompt_ids_list: list[list[int]], k: int) -> Sequence[Any]: ...
+    def __call__(self, examples: list[PromptExample], k: int) -> Sequence[Any]: ...
 
 
-Score = Callable[[PromptExample, str], "bool | float | None"]
+Score = Callable[[PromptExample, Any], "bool | float | None"]  # (example, a Completion or a string)
 
 
 @dataclass
@@ -76,11 +76,11 @@ def screen_prompts(examples: Sequence[PromptExample], sample: Sampler, score: Sc
     rates: list[PromptRate] = []
     for start in range(0, len(examples), batch_prompts):
         chunk = list(examples[start:start + batch_prompts])
-        completions = list(sample([e.prompt_ids for e in chunk], k))
+        completions = list(sample(chunk, k))
         if len(completions) != k * len(chunk):
             raise ValueError(f"the sampler returned {len(completions)} completions for {len(chunk)} prompts x {k}")
         for i, example in enumerate(chunk):
-            verdicts = [is_correct(score(example, _text(c)), threshold) for c in completions[i * k:(i + 1) * k]]
+            verdicts = [is_correct(score(example, c), threshold) for c in completions[i * k:(i + 1) * k]]
             judged = [v for v in verdicts if v is not None]
             rates.append(PromptRate(example.where, sum(judged), len(judged)))
     kept, counts = [], {"kept": 0, "too_easy": 0, "too_hard": 0, "unscored": 0}

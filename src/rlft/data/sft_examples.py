@@ -1,5 +1,6 @@
 """SFT examples: chat (`messages`) or `prompt`/`completion` rows, rendered with the chat template,
-with the loss on assistant tokens only."""
+with the loss on assistant tokens only. Rows with tool calls and tool results (and every row, when
+the run has an `agent` section) are encoded as rollouts build episodes: data/tool_transcripts.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import torch
 
 from rlft.data.readers import Row
+from rlft.data.tool_transcripts import NO_AGENT_FIX, TranscriptEncoder, check_tool_messages, has_tool_parts
 from rlft.data.validate import RowError, check_messages, require_field, require_fields
 from rlft.models.template import Messages, as_messages, encode_text, render
 
@@ -22,13 +24,16 @@ class SftExample:
     reference: str  # the last assistant message (for format / accuracy evals)
     fields: dict[str, Any]  # the row's other fields (e.g. `answer`), for reward-based evals
     source: str = ""  # its data.train source's name, when sources are mixed
+    # the last turn's context as trained, when it is not `prompt_messages` through the template
+    # (tool transcripts: tools presented, calls written in, observations encoded as in rollouts)
+    prompt_ids: list[int] | None = None
 
 
 def row_messages(data: dict[str, Any]) -> Messages:
     """The conversation of an SFT row, from `messages` or from `prompt` + `completion`."""
     if "messages" in data:
-        messages = check_messages(require_field(data, "messages", list, "a chat row"))
-        if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        messages = check_messages(check_tool_messages(require_field(data, "messages", list, "a chat row")))
+        if not any(m["role"] == "assistant" and (m["content"].strip() or m.get("tool_calls")) for m in messages):
             raise RowError("no assistant message", "the loss is on assistant turns; add one")
         return messages
     if "prompt" not in data and "completion" not in data:
@@ -36,7 +41,8 @@ def row_messages(data: dict[str, Any]) -> Messages:
                        f"row has keys {sorted(data)[:6]}")
     prompt = require_field(data, "prompt", (str, list), "a prompt/completion row")
     completion = require_field(data, "completion", str, "a prompt/completion row")
-    prompt_messages = check_messages(prompt, "prompt") if isinstance(prompt, list) else as_messages(prompt)
+    prompt_messages = (check_messages(check_tool_messages(prompt), "prompt") if isinstance(prompt, list)
+                       else as_messages(prompt))
     return prompt_messages + [{"role": "assistant", "content": completion}]
 
 
@@ -73,18 +79,15 @@ def encode_sft(tokenizer: Any, messages: Messages, end_ids: list[int]) -> tuple[
 
 
 def make_sft_encoder(tokenizer: Any, end_ids: list[int], max_length: int, max_prompt_length: int | None = None,
-                     required: tuple[str, ...] = ()):
-    """Rows -> SftExample; `required` fields must be present too (what eval rewards read)."""
+                     required: tuple[str, ...] = (), transcripts: TranscriptEncoder | None = None):
+    """Rows -> SftExample; `required` fields must be present too (what eval rewards read).
+    `transcripts`: the run's tools and call syntax (an `agent` section); every row is then encoded
+    as a rollout episode of it, tools presented in the prompt."""
 
     def encode(row: Row) -> SftExample:
         messages = row_messages(row.data)
         require_fields(row.data, required, "the reward functions")
-        try:
-            ids, mask = encode_sft(tokenizer, messages, end_ids)
-        except RowError:
-            raise
-        except Exception as exc:  # jinja errors from user templates
-            raise RowError("chat template failed", f"{type(exc).__name__}: {exc}") from None
+        ids, mask, context, reference = _encode(tokenizer, messages, end_ids, transcripts)
         if len(ids) > max_length:
             raise RowError(f"longer than data.max_length ({max_length} tokens)",
                            f"{len(ids)} tokens; raise data.max_length or shorten the row")
@@ -96,9 +99,27 @@ def make_sft_encoder(tokenizer: Any, end_ids: list[int], max_length: int, max_pr
                            f"{prompt_len} tokens before the first answer; raise data.max_prompt_length")
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         fields = {k: v for k, v in row.data.items() if k not in ("messages", "prompt", "completion")}
-        return SftExample(row.where, ids, mask, messages[:last], messages[last]["content"], fields)
+        return SftExample(row.where, ids, mask, messages[:last], reference, fields, prompt_ids=context)
 
     return encode
+
+
+def _encode(tokenizer: Any, messages: Messages, end_ids: list[int],
+            transcripts: TranscriptEncoder | None) -> tuple[list[int], list[int], list[int] | None, str]:
+    """Ids, target mask, the last turn's context ids (None: the template's rendering) and text."""
+    try:
+        if transcripts is not None:
+            t = transcripts.encode(messages)
+            return t.input_ids, t.target_mask, t.input_ids[:t.last_turn_start], t.last_text
+        if has_tool_parts(messages):  # most templates would drop the calls or misrender the results
+            raise RowError("tool calls or tool messages, but no agent section", NO_AGENT_FIX)
+        ids, mask = encode_sft(tokenizer, messages, end_ids)
+    except RowError:
+        raise
+    except Exception as exc:  # jinja errors from user templates
+        raise RowError("chat template failed", f"{type(exc).__name__}: {exc}") from None
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    return ids, mask, None, messages[last]["content"]
 
 
 def collate_sft(examples: list[SftExample], pad_id: int) -> dict[str, torch.Tensor]:

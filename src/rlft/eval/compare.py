@@ -11,6 +11,11 @@ answer j of BASELINE to it. Each pair is judged one of three ways:
   model's answer is shown as "a" is drawn per pair from the seed (`judge_positions`), so a judge
   with a position bias (LLM judges prefer the first answer: Zheng et al. 2023, arXiv:2306.05685)
   favours neither model on average; verdicts are mapped back to TARGET / BASELINE.
+- an LLM judge (`--judge llm_judge`, or `--judge NAME` for the `llm_judge` reward named NAME in
+  the run's or --config's rewards): the chat model behind its endpoint is shown both answers
+  under its rubric, in the same seeded random order per pair as a judge function. A request that
+  fails or a reply without a readable verdict leaves the pair unscored (counted, the reply kept
+  in the pair's record), as an unverifiable reward does.
 - a reward model (`--judge-model PATH`): the `reward_model` reward scores each answer alone, as
   with rewards.
 
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import logging
 import math
 import numbers
 import random
@@ -37,11 +43,12 @@ from rlft.data.readers import DEFAULT_MAX_ROW_BYTES
 from rlft.errors import ConfigError, RlftError
 from rlft.eval.generation import sample_answers
 from rlft.eval.metrics import WinRate, win_rate
-from rlft.eval.run import load_with_prompts, make_scorer, resolve_model, warn_if_cut
-from rlft.rewards.scoring import RewardScorer, score_completions
+from rlft.eval.run import load_with_prompts, resolve_model, warn_if_cut
+from rlft.rewards.scoring import RewardScorer, build_scorer, score_completions
 from rlft.rollout import build_engine
 from rlft.rollout.contract import Completion
 
+log = logging.getLogger(__name__)
 TIE_MARGIN = 1e-9  # reward totals this close are a tie (float noise, not a preference)
 JUDGE_CONTRACT = ('judge(prompt, answer_a, answer_b, **row) returns "a", "b" or "tie", or a number in [-1, 1] '
                   '(> 0: a is better, < 0: b is better, 0: tie)')
@@ -177,6 +184,50 @@ class FunctionJudge:
         return Judged(verdicts, details)
 
 
+class LLMPairJudge:
+    """An `llm_judge` reward's model asked which of two answers is better, shown them in a seeded
+    random order per pair (see `judge_positions`); no verdict leaves the pair unscored."""
+
+    def __init__(self, llm: Any, name: str):
+        self.llm, self.description = llm, f"LLM judge {name} ({llm.endpoint.model} at {llm.endpoint.url})"
+        self.required_fields: tuple[str, ...] = ()  # the pairwise prompt shows no reference answer
+
+    def judge(self, target: Answers, baseline: Answers, seed: int, max_new_tokens: int) -> Judged:
+        n = len(target.completions)
+        first = judge_positions(n, seed)
+        items = []
+        for i in range(n):
+            t_text, b_text = target.completions[i].text, baseline.completions[i].text
+            items.append((target.example(i).messages, *((t_text, b_text) if first[i] else (b_text, t_text))))
+        verdicts: list[int | None] = []
+        details = []
+        for i, (said, reply) in enumerate(self.llm.compare(items)):
+            a_better = {"a": 1, "b": -1, "tie": 0}.get(said) if said is not None else None
+            verdicts.append(None if a_better is None else a_better if first[i] else -a_better)
+            details.append({"shown_as_a": "target" if first[i] else "baseline", "judge_said": said,
+                            "judge_reply": reply.text, **({"judge_error": reply.error} if reply.error else {})})
+        for line in self.llm.take_warnings():
+            log.warning("LLM judge: %s", line)
+        return Judged(verdicts, details)
+
+
+def _llm_judge(rewards: Sequence[RewardSpec], name: str, scoring: ScoringConfig | None) -> LLMPairJudge:
+    """The judge of the `llm_judge` reward called `name` among `rewards` (`llm_judge`: the only one)."""
+    judges = [r for r in rewards if r.fn == "llm_judge"]
+    found = [r for r in judges if r.component == name or name == "llm_judge"]
+    names = ", ".join(r.component for r in judges)
+    if len(found) > 1:
+        raise RlftError(f"--judge {name}: the rewards hold several llm_judge rewards ({names}); give --judge NAME "
+                        "with one of those names")
+    if not found:
+        held = f" named {name!r} (they have: {names})" if judges else ""
+        raise RlftError(f"--judge {name}: the run's (or --config's) rewards have no llm_judge reward{held}.\n"
+                        "Fix: put the judge in a config's rewards, e.g. {fn: llm_judge, args: {base_url: "
+                        "http://127.0.0.1:8000/v1, model: MODEL, rubric: ...}}, and pass --config")
+    scorer = build_scorer([found[0]], scoring)  # its args checked as training checks them
+    return LLMPairJudge(scorer.components[0][1], found[0].component)
+
+
 def _judge_signature(fn: Callable[..., Any], ref: str) -> tuple[set[str], bool, tuple[str, ...]]:
     """(row fields it names, whether it takes **row, row fields it requires); one ConfigError when
     it cannot be called as judge(prompt, answer_a, answer_b, **row)."""
@@ -198,8 +249,11 @@ def _judge_signature(fn: Callable[..., Any], ref: str) -> tuple[set[str], bool, 
 
 def build_judge(rewards: Sequence[RewardSpec], judge: str | None = None, judge_model: str | None = None,
                 scoring: ScoringConfig | None = None, device: str = "auto") -> Judge:
-    """The judge a comparison uses: a function, a reward model, or the rewards (in that order of
-    precedence; the caller refuses contradictory flags)."""
+    """The judge a comparison uses: a function, an LLM judge of the rewards (`judge` without a
+    ':'), a reward model, or the rewards (in that order of precedence; the caller refuses
+    contradictory flags)."""
+    if judge and ":" not in judge:
+        return _llm_judge(rewards, judge, scoring)
     if judge:
         from rlft.rewards.user_code import load_user_function
 
@@ -211,12 +265,12 @@ def build_judge(rewards: Sequence[RewardSpec], judge: str | None = None, judge_m
         check_model_folder(judge_model, "--judge-model")
         spec = RewardSpec(fn="reward_model", name="judge_model",
                           args={"path": str(judge_model), "device": str(resolve_device(device))})
-        return RewardJudge(make_scorer([spec], scoring), f"reward model {judge_model}")
+        return RewardJudge(build_scorer([spec], scoring), f"reward model {judge_model}")
     if not rewards:
         raise RlftError("a comparison needs a judge: --reward NAME (repeatable; the higher total reward wins), "
                         "--judge module:function, or --judge-model REWARD_MODEL_FOLDER (or a run or --config "
                         "with rewards)")
-    return RewardJudge(make_scorer(list(rewards), scoring), "rewards " + ", ".join(r.component for r in rewards))
+    return RewardJudge(build_scorer(list(rewards), scoring), "rewards " + ", ".join(r.component for r in rewards))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,15 +7,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlft.config import Config, EvalConfig, LoraConfig, ModelConfig, RewardSpec, ScoringConfig, VllmSettings
+from rlft.config import (AgentConfig, Config, EvalConfig, LoraConfig, ModelConfig, RewardSpec, ScoringConfig,
+                         VllmSettings)
 from rlft.data.readers import DEFAULT_MAX_ROW_BYTES, read_rows
 from rlft.data.prompts import PromptExample, make_prompt_encoder
 from rlft.data.validate import check_rows
 from rlft.errors import RlftError
 from rlft.eval.generation import EvalResult, evaluate_prompts
 from rlft.models.loading import LoadedModel, is_adapter_export, load_adapter_export, load_policy
-from rlft.rewards.scoring import RewardScorer
-from rlft.rollout import build_engine
+from rlft.eval.suites import prepare_suites, run_suites
+from rlft.rewards.scoring import RewardScorer, build_scorer
+from rlft.rollout import build_engine, check_prompts_with_tools, turn_driver
 
 
 def resolve_model(target: str | Path) -> tuple[Path, Path | None]:
@@ -32,9 +34,11 @@ def evaluate_model(target: str | Path, data: str, rewards: list[RewardSpec], cfg
                    split: str = "train", seed: int = 0, max_prompt_length: int = 4096, device: str = "auto",
                    prefix: str = "eval/", scoring: ScoringConfig | None = None,
                    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES, engine: str = "hf",
-                   vllm: VllmSettings | None = None) -> EvalResult:
+                   vllm: VllmSettings | None = None, agent: AgentConfig | None = None) -> EvalResult:
+    """`agent`: each answer is a multi-turn episode with these tools and limits (a run's own agent
+    section, so its numbers compare with the run's)."""
     model_dir, _ = resolve_model(target)
-    scorer = make_scorer(rewards, scoring) if rewards else None
+    scorer = build_scorer(rewards, scoring) if rewards else None
     check_correct_component(cfg, scorer)  # before the model loads and anything is generated
     policy, examples = load_with_prompts(model_dir, data, split=split, max_prompt_length=max_prompt_length,
                                          device=device, required_fields=scorer.required_fields if scorer else (),
@@ -42,17 +46,28 @@ def evaluate_model(target: str | Path, data: str, rewards: list[RewardSpec], cfg
     warn_if_cut(cfg, len(examples), data)
     engine = build_engine(policy, seed, engine, batch_size=cfg.batch_size, vllm=vllm)
     try:
-        return evaluate_prompts(engine, examples, cfg, scorer, prefix=prefix, seed=seed)
+        driver = agent_driver(agent, engine, policy.tokenizer, [examples], max_prompt_length, seed)
+        return evaluate_prompts(engine, examples, cfg, scorer, prefix=prefix, seed=seed, driver=driver)
     finally:
         engine.close()
+
+
+def agent_driver(agent: AgentConfig | None, engine: Any, tokenizer: Any, example_sets: list[list[PromptExample]],
+                 max_prompt_length: int, seed: int) -> Any:
+    """The turn driver `agent` configures (None without one; an environment's episodes seeded from
+    `seed`), its prompts checked with the tools."""
+    if agent is None:
+        return None
+    driver = turn_driver(agent, engine, tokenizer, seed, max_prompt_length)
+    for examples in example_sets:
+        check_prompts_with_tools(driver, examples, max_prompt_length, agent.max_total_tokens)
+    return driver
 
 
 def evaluate_suites(target: str | Path, settings: Config, *, device: str = "auto", engine: str = "hf",
                     ) -> EvalResult:
     """Every suite of `settings.eval.suites` on one model (as training runs them after its last
     step); records carry their suite's name."""
-    from rlft.eval.suites import prepare_suites, run_suites
-
     model_dir, _ = resolve_model(target)
     policy = load_model_dir(model_dir, device)
     d = settings.data
@@ -61,7 +76,9 @@ def evaluate_suites(target: str | Path, settings: Config, *, device: str = "auto
     sampler = build_engine(policy, settings.seed, engine, batch_size=settings.eval.batch_size,
                            vllm=settings.rollout.vllm)
     try:
-        metrics, records = run_suites(sampler, suites, 0, 0, settings.seed)
+        driver = agent_driver(settings.agent, sampler, policy.tokenizer, [p.examples for p in suites],
+                              d.max_prompt_length, settings.seed)
+        metrics, records = run_suites(sampler, suites, 0, 0, settings.seed, driver=driver)
     finally:
         sampler.close()
     return EvalResult(metrics, [{"suite": name, **r} for name, recs in records.items() for r in recs])
@@ -88,13 +105,6 @@ def check_correct_component(cfg: EvalConfig, scorer: RewardScorer | None) -> Non
         raise RlftError(f"eval.correct_component {name!r} is not a reward component (rewards: {', '.join(names)}).\n"
                         f"Fix: name one of them, e.g. eval.correct_component={names[0]}, or leave it unset to use "
                         "the first reward")
-
-
-def make_scorer(rewards: list[RewardSpec], scoring: ScoringConfig | None = None) -> RewardScorer:
-    sc = scoring or ScoringConfig()
-    return RewardScorer(rewards, sc.max_workers, timeout_s=sc.timeout_s,
-                        max_consecutive_timeouts=sc.max_consecutive_timeouts, on_error=sc.on_reward_error,
-                        max_abs_reward=sc.max_abs_reward)
 
 
 def load_model_dir(model_dir: Path, device: str = "auto") -> LoadedModel:

@@ -15,7 +15,7 @@ from rlft.config import EvalSuite, SuiteSampling
 from rlft.data.prompts import PromptExample
 from rlft.eval.generation import evaluate_prompts
 from rlft.eval.metrics import length_stats, maj_at_k, normalize_answer
-from rlft.rollout.contract import Completion, SamplingParams
+from rlft.rewards.scoring import build_scorer
 
 
 def answer_extractor(spec: str | None) -> Callable[[str], str | None] | None:
@@ -44,7 +44,6 @@ def prepare_suites(suites: Sequence[EvalSuite], tokenizer: Any, max_prompt_lengt
     from rlft.data.readers import read_rows
     from rlft.data.prompts import make_prompt_encoder
     from rlft.data.validate import check_rows
-    from rlft.eval.run import make_scorer
 
     names = [s.name for s in suites]
     dupes = sorted({n for n in names if names.count(n) > 1})
@@ -54,38 +53,23 @@ def prepare_suites(suites: Sequence[EvalSuite], tokenizer: Any, max_prompt_lengt
         raise ConfigError(f"eval.suites: names must be unique; {dupes} appear more than once")
     out = []
     for s in suites:
-        scorer = make_scorer(s.rewards, scoring) if s.rewards else None
+        scorer = build_scorer(s.rewards, scoring) if s.rewards else None
         encode = make_prompt_encoder(tokenizer, max_prompt_length, scorer.required_fields if scorer else ())
         examples = check_rows(read_rows(s.data, s.split), encode, s.data, f"eval suite '{s.name}'", on_invalid)
         out.append(PreparedSuite(s, examples, scorer, answer_extractor(s.answer)))
     return out
 
 
-class _Recording:
-    """An engine proxy that keeps the completions it returned (evaluate_prompts' records hold text,
-    not token counts)."""
-
-    def __init__(self, engine: Any):
-        self.engine, self.completions = engine, []
-        if hasattr(engine, "isolated_rng"):
-            self.isolated_rng = engine.isolated_rng
-
-    def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[Completion]:
-        out = self.engine.generate(prompts, params)
-        self.completions.extend(out)
-        return out
-
-
-def evaluate_suite(engine: Any, prepared: PreparedSuite, seed: int = 0,
-                   train_reward: float | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """One suite's metrics (prefixed `eval/<name>/`) and per-completion records."""
+def evaluate_suite(engine: Any, prepared: PreparedSuite, seed: int = 0, train_reward: float | None = None,
+                   driver: Any = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """One suite's metrics (prefixed `eval/<name>/`) and per-completion records; with a turn
+    `driver`, of whole episodes under the suite's sampling settings."""
     suite = prepared.suite
     prefix = f"eval/{suite.name}/"
-    recorder = _Recording(engine)
-    result = evaluate_prompts(recorder, prepared.examples, suite.eval_config(), prepared.scorer, prefix=prefix,
-                              seed=seed)
+    result = evaluate_prompts(engine, prepared.examples, suite.eval_config(), prepared.scorer, prefix=prefix,
+                              seed=seed, driver=driver)
     metrics = dict(result.metrics)
-    done = recorder.completions
+    done = result.completions
     stats = length_stats([len(c.completion_ids) for c in done], [c.finish_reason == "length" for c in done])
     metrics[f"{prefix}length_std"] = stats["length_std"]
     k = suite.sampling.num_samples
@@ -103,15 +87,16 @@ def evaluate_suite(engine: Any, prepared: PreparedSuite, seed: int = 0,
 
 
 def run_suites(engine: Any, prepared: Sequence[PreparedSuite], step: int, total_steps: int, seed: int = 0,
-               train_reward: float | None = None, default_every: int | None = None,
+               train_reward: float | None = None, default_every: int | None = None, driver: Any = None,
                ) -> tuple[dict[str, float], dict[str, list[dict[str, Any]]]]:
     """Run the suites due at `step` (all of them after the last step; a suite without its own
-    `every` follows `default_every`): merged metrics, and the records of each suite that ran."""
+    `every` follows `default_every`): merged metrics, and the records of each suite that ran.
+    `driver`: the run's turn driver (on `engine`), when its rollouts are multi-turn episodes."""
     metrics: dict[str, float] = {}
     records: dict[str, list[dict[str, Any]]] = {}
     for p in prepared:
         if p.suite.due(step, total_steps, default_every):
-            m, recs = evaluate_suite(engine, p, seed, train_reward)
+            m, recs = evaluate_suite(engine, p, seed, train_reward, driver)
             metrics.update(m)
             records[p.suite.name] = recs
     return metrics, records

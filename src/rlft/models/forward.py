@@ -11,7 +11,9 @@ detected once (a probe on 8 tokens) and served by its full forward instead.
 
 With `packing`, the rows go through the decoder padding-free (`packing.pack_rows`): same numbers,
 no pad token computed. Packing is used only where a probe confirmed that packed rows do not
-attend to each other in this model.
+attend to each other in this model. With `shared_prefix` ('auto' or 'on'), rows that share a
+prompt are computed with one copy of it (`shared_prefix.share_prefixes`), where a probe confirmed
+that the model honours the layout's 4D attention mask.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import Tensor, nn
 
 from rlft.models.head_logprobs import plain_token_logprobs_and_entropy, token_logprobs_and_entropy
 from rlft.models.packing import MULTI_ROW, pack_rows
+from rlft.models.shared_prefix import AttentionCost, SharedRows, mask_kind, share_prefixes, window_allows
 
 log = logging.getLogger(__name__)
 
@@ -233,21 +236,35 @@ class TokenOutputs(NamedTuple):
 
 def token_outputs(model: Any, input_ids: Tensor, attention_mask: Tensor, target_mask: Tensor, *,
                   temperature: float = 1.0, entropy: str = "none", hidden: bool = False,
-                  packing: bool = False) -> TokenOutputs:
+                  packing: bool = False, shared_prefix: str = "off", prompt_width: int = 0) -> TokenOutputs:
     """Log-probs (and entropy, hidden states) of the tokens marked in `target_mask` `[B, T]`; a
     token is predicted from the position before it, so column 0 is never a target. `packing`:
-    run the decoder padding-free where the model supports it (same numbers)."""
+    run the decoder padding-free where the model supports it (same numbers). `shared_prefix`
+    ('auto', 'on', 'off'): rows whose first `prompt_width` columns (a left-padded prompt) hold the
+    same prompt compute it once (same numbers)."""
     targets_at = target_mask.bool().clone()
     targets_at[:, 0] = False
     predict_at = torch.zeros_like(targets_at)
     predict_at[:, :-1] = targets_at[:, 1:]  # [B, T]: positions whose next token is a target
     targets = input_ids[targets_at]  # [n], row-major like predict_at's positions
     head = lm_head(model)
+    shared = None
+    if shared_prefix != "off":
+        module = model if head is None else head.decoder
+        shared = shared_layout(model, module, _decoder_run(module) if head else logits_run(model), input_ids,
+                               attention_mask, prompt_width, shared_prefix)
     if head is None:
-        lp, ent, states = _full_forward_outputs(model, input_ids, attention_mask, predict_at, targets, temperature,
-                                                entropy, hidden)
+        full = _full_forward_outputs if shared is None else _full_forward_shared
+        lp, ent, states = full(model, input_ids if shared is None else shared, attention_mask, predict_at, targets,
+                               temperature, entropy, hidden)
     else:
-        states = _states_at(head, input_ids, attention_mask, predict_at, packing)  # [n, H]
+        if shared is not None:
+            layout, mask = shared
+            out = head.decoder(input_ids=layout.input_ids, attention_mask=mask, position_ids=layout.position_ids,
+                               use_cache=False).last_hidden_state  # [bins, L, H]
+            states = _gather(out, layout.flat_index[predict_at])  # [n, H]
+        else:
+            states = _states_at(head, input_ids, attention_mask, predict_at, packing)  # [n, H]
         lp, ent = head.logprobs(states, targets, temperature, entropy)
     shape = tuple(target_mask.shape)
     out_lp = lp.new_zeros(shape).masked_scatter(targets_at, lp)
@@ -264,13 +281,60 @@ def _states_at(head: LmHead, input_ids: Tensor, attention_mask: Tensor, select: 
         packed = pack_rows(input_ids, attention_mask, multi_row=head.packing == "multi")
         states = head.decoder(input_ids=packed.input_ids, position_ids=packed.position_ids,
                               use_cache=False).last_hidden_state  # [bins, L, H]
-        index = packed.flat_index[select]
-        if bool((index < 0).any()):
-            raise ValueError("a target token is predicted from a padding position; targets must follow real tokens")
-        return states.reshape(-1, states.shape[-1])[index]
+        return _gather(states, packed.flat_index[select])
     states = head.decoder(input_ids=input_ids, attention_mask=attention_mask,
                           position_ids=position_ids_for(attention_mask), use_cache=False).last_hidden_state
     return states[select]
+
+
+def _gather(states: Tensor, index: Tensor) -> Tensor:
+    """`[bins, L, X]` states at flat positions `index` `[n]` -> `[n, X]` (a position gathered twice,
+    as a shared prompt's last token is, gets the sum of both gradients)."""
+    if bool((index < 0).any()):
+        raise ValueError("a target token is predicted from a padding position; targets must follow real tokens")
+    return states.reshape(-1, states.shape[-1])[index]
+
+
+def _full_forward_shared(model: Any, shared: tuple[SharedRows, Tensor], attention_mask: Tensor, predict_at: Tensor,
+                         targets: Tensor, temperature: float, entropy: str, hidden: bool):
+    """The model's own logits on the shared-prompt layout, for the predicting positions only."""
+    layout, mask = shared
+    index = layout.flat_index[predict_at]  # [n]
+    width = layout.input_ids.shape[1]
+    cols = torch.unique(index % width)  # sorted: the layout's columns where some bin predicts a target
+    out = model(input_ids=layout.input_ids, attention_mask=mask, position_ids=layout.position_ids, use_cache=False,
+                logits_to_keep=cols, output_hidden_states=hidden)
+    kept = (index // width) * cols.numel() + torch.searchsorted(cols, index % width)
+    lp, ent = plain_token_logprobs_and_entropy(_gather(out.logits, kept), targets, temperature=temperature,
+                                               entropy=entropy)
+    return lp, ent, (_gather(out.hidden_states[-1], index) if hidden else None)
+
+
+def _decoder_run(decoder: Any):
+    return lambda ids, mask, pos: decoder(input_ids=ids, attention_mask=mask, position_ids=pos,
+                                          use_cache=False).last_hidden_state
+
+
+def logits_run(model: Any):
+    """(ids, mask, positions) -> the model's own logits, for `shared_layout`'s probe."""
+    return lambda ids, mask, pos: model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+
+
+def shared_layout(model: Any, module: Any, run: Any, input_ids: Tensor, attention_mask: Tensor, prompt_width: int,
+                  mode: str) -> tuple[SharedRows, Tensor] | None:
+    """The shared-prompt layout of a batch and its 4D attention mask for `module` (the decoder, or
+    the whole `model`), or None where the plain layout is to be used: the module fails the probe
+    (`run(ids, mask, positions) -> [b, L, X]` runs it; first use, on every rank alike), a sliding
+    window could bite, no two rows share a prompt, or (mode 'auto') the plain layout costs less."""
+    if mode not in ("auto", "on"):
+        return None
+    kind = mask_kind(module, run, model.get_input_embeddings().weight.shape[0], _device(model), lambda: _probing(model))
+    config = getattr(module, "config", None)
+    if kind is None or prompt_width <= 0 or not window_allows(config, int(attention_mask.sum(-1).max())):
+        return None
+    cost = AttentionCost.of(config) if mode == "auto" else None
+    layout = share_prefixes(input_ids, attention_mask, prompt_width, cost)
+    return None if layout is None else (layout, layout.attention_mask(kind))
 
 
 def _full_forward_outputs(model: Any, input_ids: Tensor, attention_mask: Tensor, predict_at: Tensor, targets: Tensor,
@@ -287,17 +351,19 @@ def _full_forward_outputs(model: Any, input_ids: Tensor, attention_mask: Tensor,
 
 
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
-                        temperature: float = 1.0, entropy: str = "none", hidden: bool = False, packing: bool = False):
+                        temperature: float = 1.0, entropy: str = "none", hidden: bool = False, packing: bool = False,
+                        shared_prefix: str = "off"):
     """Log-probs of the last `completion_len` tokens of each row (the completion region of a
     `[left-padded prompt | right-padded completion]` batch): `[B, Tc]` (0 on padding), plus the
     entropy per position when `entropy` is 'metric' (no gradient) or 'grad' (for an entropy bonus),
     plus the hidden states `[B, Tc, H]` of the positions that predicted them when `hidden` (a value
-    head)."""
+    head). `shared_prefix`: rows with the same prompt compute it once ('auto', 'on', 'off')."""
     tc = completion_len
     target_mask = torch.zeros_like(attention_mask, dtype=torch.bool)
     target_mask[:, -tc:] = attention_mask[:, -tc:].bool()
     out = token_outputs(model, input_ids, attention_mask, target_mask, temperature=temperature, entropy=entropy,
-                        hidden=hidden, packing=packing)
+                        hidden=hidden, packing=packing, shared_prefix=shared_prefix,
+                        prompt_width=input_ids.shape[1] - tc)
     ent = None if out.entropy is None else out.entropy[:, -tc:]
     if hidden:
         return out.logprobs[:, -tc:], ent, out.hidden[:, -tc:]

@@ -50,7 +50,7 @@ def row_spans(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
     return first, lengths
 
 
-def _bins(lengths: list[int], capacity: int) -> list[list[int]]:
+def fit_bins(lengths: list[int], capacity: int) -> list[list[int]]:
     """First-fit decreasing: rows (indices) per bin, each bin's total length <= capacity."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     bins: list[list[int]] = []
@@ -74,7 +74,7 @@ def pack_rows(input_ids: Tensor, attention_mask: Tensor, multi_row: bool = True,
     lens = [int(n) for n in lengths.tolist()]
     starts = [int(f) for f in first.tolist()]
     widest = max(max(lens), 1)
-    groups = _bins(lens, widest) if multi_row else [[i for i in range(len(lens)) if lens[i] > 0]]
+    groups = fit_bins(lens, widest) if multi_row else [[i for i in range(len(lens)) if lens[i] > 0]]
     width = max(max(sum(lens[i] for i in g) for g in groups), 1)
     ids = torch.full((len(groups), width), pad_id, dtype=input_ids.dtype)
     pos = torch.empty((len(groups), width), dtype=torch.long)

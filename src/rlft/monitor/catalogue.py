@@ -69,6 +69,8 @@ def metric_names(config: Any, components: list[str]) -> tuple[set[str], tuple[st
         if not isinstance(config.data.train, str):  # mixed sources: reward/accuracy/share per source
             prefixes += ["reward/source/", "accuracy/source/", "data/source/"]
         names.update(f"reward/{c}" for c in components)
+        # an ensemble's disagreement in the total's units (reward/<c>/disagreement is under the prefixes)
+        names.update(("reward/disagreement",) if any(r.fn == "reward_model_ensemble" for r in config.rewards) else ())
         prefixes += [f"reward/{c}/" for c in components]
         names.update(_ONLINE_IF["kl"] if config.needs_reference else ())
         names.update(_ONLINE_IF["tis"] if a.rollout_correction == "tis" else ())
@@ -77,6 +79,8 @@ def metric_names(config: Any, components: list[str]) -> tuple[set[str], tuple[st
         names.update(_ONLINE_IF["critic"] if a.advantage == "gae" else ())
         if has_eval:
             names.update(_GENERATION_EVAL + _REWARD_EVAL + (f"eval/pass@{config.eval.num_samples}",))
+        if config.agent is not None:  # episodes: agent/... and env/... per step, under every eval's prefix too
+            prefixes += ["agent/", "env/"] + (["eval/agent/", "eval/env/"] if has_eval else [])
         return names, tuple(prefixes)
     train_keys, eval_keys = _BY_METHOD[config.method]
     names.update(_OFFLINE + train_keys)

@@ -318,3 +318,25 @@ def infra_errors(history: AnyHistory, *, metric: str, smooth: int, max_rate: flo
     return _level_alert("infra_errors", history, metric, smooth, max_rate,
                         "rewards could not be computed (sandbox, reward service or data problem), which biases "
                         "the advantages")
+
+
+@detector("reward_disagreement")
+def reward_disagreement(history: AnyHistory, *, metric: str, reward_metric: str, window: int, smooth: int,
+                        max_growth: float, min_reward_rise: float) -> Alert | None:
+    """A reward-model ensemble's disagreement grown by more than `max_growth` (relative) over the
+    last `window` records while the train reward rose by more than `min_reward_rise`: the policy
+    is moving where the reward models stop agreeing, off the data they know, which is where a
+    proxy reward gets exploited (Coste et al., arXiv:2310.02743). Both ends are `smooth`-record means."""
+    points, rewards = series(history, metric), series(history, reward_metric)
+    if len(points) < window + smooth or len(rewards) < window + smooth:
+        return None
+    d0, d1 = _mean(points[-window - smooth:-window]), _mean(points[-smooth:])
+    r0, r1 = _mean(rewards[-window - smooth:-window]), _mean(rewards[-smooth:])
+    growth = d1 / d0 - 1 if d0 > 0 else (math.inf if d1 > 0 else 0.0)
+    if not (growth > max_growth and r1 - r0 > min_reward_rise):
+        return None
+    return Alert("reward_disagreement", _last_step(history),
+                 f"{metric} grew {_g(d0)} -> {_g(d1)} (+{growth:.0%}; limit {max_growth:.0%}) over {window} steps while "
+                 f"{reward_metric} rose {_g(r0)} -> {_g(r1)}: the reward models disagree more where the policy now "
+                 "goes, a reward-hacking sign (look at the samples; combine: pessimistic penalises disagreement)",
+                 {metric: d1, "start": d0, "growth": growth, reward_metric: r1, "reward_rise": r1 - r0})

@@ -3,7 +3,8 @@
 Every numeric series of metrics.jsonl gets a plot (plotly, whose JavaScript is inlined once, so the
 file opens with no network), grouped by subject; several runs are overlaid, one colour per run;
 detector events (events.jsonl) are marked on the curves of the metrics that triggered them; sample
-completions at a few steps are shown with their rewards; with several runs, a table lists the
+completions at a few steps are shown with their rewards (a multi-turn episode whole, its trained
+tokens set apart from inserted tool output); with several runs, a table lists the
 config fields that differ. All text from the run (completions, prompts, config) is HTML-escaped.
 """
 
@@ -267,7 +268,23 @@ def _sample_card(sample: dict[str, Any], run_name: str | None, colour: str) -> s
             + (f" ({comps})" if comps else "")
             + f" &middot; finish: {_e(sample.get('finish_reason', '?'))} &middot; {_e(sample.get('where', ''))}</div>"
             f"<div class='label'>prompt</div><pre>{_e(sample.get('prompt', ''))}</pre>"
-            f"<div class='label'>completion</div><pre>{_e(sample.get('completion', ''))}</pre></div>")
+            + _completion_html(sample) + "</div>")
+
+
+def _completion_html(sample: dict[str, Any]) -> str:
+    """A multi-turn sample's whole episode, segment by segment with its role, trained tokens (the
+    loss mask's 1s) set apart from inserted ones; a single-turn sample's completion text."""
+    segments = [s for s in sample.get("segments") or [] if isinstance(s, dict)]
+    if not segments:
+        return f"<div class='label'>completion</div><pre>{_e(sample.get('completion', ''))}</pre>"
+    turns = f"turns {_e(sample.get('turns', '?'))} &middot; tool calls {_e(sample.get('tool_calls', '?'))}"
+    parts = []
+    for seg in segments:
+        trained = seg.get("trained") is True
+        label = f"{_e(seg.get('role', '?'))} &middot; {'trained' if trained else 'not trained (inserted)'}"
+        parts.append(f"<div class='seg {'trained' if trained else 'inserted'}'><div class='label'>{label}</div>"
+                     f"<pre>{_e(seg.get('text', ''))}</pre></div>")
+    return f"<div class='label'>episode &middot; {turns}</div><div class='transcript'>{''.join(parts)}</div>"
 
 
 CSS = """
@@ -284,6 +301,9 @@ tr.stop td { background: #fde8e8; } tr.warn td { background: #fff6e0; }
 .samples { display: grid; grid-template-columns: repeat(auto-fill, minmax(380px, 1fr)); gap: 8px; }
 .sample { border: 1px solid #ddd; border-radius: 4px; padding: 6px 8px; font-size: 0.85em; }
 .sample .label { color: #777; font-size: 0.8em; margin-top: 4px; }
+.seg { border-left: 3px solid; padding-left: 4px; margin: 2px 0; }
+.seg.trained { border-color: #2ca02c; } .seg.trained pre { background: #eef8ee; }
+.seg.inserted { border-color: #bbb; } .seg.inserted pre { background: #f1f1f1; color: #666; font-style: italic; }
 pre { white-space: pre-wrap; word-break: break-word; background: #f8f8f8; margin: 2px 0; padding: 4px;
       max-height: 18em; overflow: auto; }
 details pre { max-height: 30em; }

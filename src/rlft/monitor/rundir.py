@@ -29,7 +29,9 @@ MAY_CHANGE = {"training.max_steps", "training.epochs", "checkpoint", "logging", 
               "training.eval_every", "output_dir", "monitor", "adopt_output_dir",
               # memory, not maths (the memory fit may choose them differently on another machine)
               "training.memory_limit_gb", "model.gradient_checkpointing", "training.micro_batch_size",
-              "algorithm.micro_batch_size", "rollout.batch_size"}
+              "algorithm.micro_batch_size", "rollout.batch_size",
+              # speed, not maths: the same losses and gradients to float rounding
+              "training.shared_prefix"}
 MARKER = ".rlft-run"
 LOCK = ".rlft-run.lock"
 

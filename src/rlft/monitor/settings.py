@@ -15,7 +15,7 @@ from pydantic import Field
 from rlft.section import Section
 
 DetectorName = Literal["reward_hacking", "length_drift", "repetition", "kl", "entropy_collapse", "ratio_drift",
-                       "clip_fraction", "zero_variance", "truncation", "infra_errors"]
+                       "clip_fraction", "zero_variance", "truncation", "infra_errors", "reward_disagreement"]
 DETECTOR_NAMES: tuple[str, ...] = DetectorName.__args__  # type: ignore[attr-defined]  (== DETECTORS' keys)
 
 
@@ -119,6 +119,20 @@ class InfraErrorsSettings(Section):
         0.05, ge=0, le=1, description="Unverifiable share that fires, well before scoring.max_infra_error_rate stops.")
 
 
+class RewardDisagreementSettings(Section):
+    metric: str = Field("reward/disagreement", description="The ensemble's disagreement (std across reward models) "
+                        "in the total reward's units; logged when a reward_model_ensemble is among the rewards.")
+    reward_metric: str = Field("reward/mean", description="Train reward key.")
+    window: int = Field(10, ge=1, description="Records between the two ends compared: long enough that a trend "
+                                              "is not one odd batch.")
+    smooth: int = Field(3, ge=1, description="Records averaged at each end of the window.")
+    max_growth: float = Field(
+        0.5, gt=0, description="Relative growth of the disagreement that fires (with a rising reward): +50% is "
+                               "beyond batch noise for the std of a few models.")
+    min_reward_rise: float = Field(
+        0.0, ge=0, description="Rise of the train reward that counts: any (reward models have no common scale).")
+
+
 class EarlyStopSettings(Section):
     metric: str | None = Field(
         None, description="Held-out metric for plateau stopping, e.g. eval/accuracy (None: off).")
@@ -146,6 +160,7 @@ class MonitorConfig(Section):
     zero_variance: ZeroVarianceSettings = Field(default_factory=ZeroVarianceSettings)
     truncation: TruncationSettings = Field(default_factory=TruncationSettings)
     infra_errors: InfraErrorsSettings = Field(default_factory=InfraErrorsSettings)
+    reward_disagreement: RewardDisagreementSettings = Field(default_factory=RewardDisagreementSettings)
     repetition_ngram: int = Field(3, ge=1, description="n of the n-grams in completion/repetition_rate.")
     repetition_unit: Literal["word", "char"] = Field(
         "word", description="Units of those n-grams: words, or characters for text without spaces.")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from rlft.errors import RlftError
 from rlft.rewards.scoring import RewardFn, register_reward
@@ -66,27 +66,17 @@ def render(tokenizer: Any, prompt: Any, completion: str) -> tuple[str, bool]:
     return text + completion, False
 
 
-@register_reward("reward_model")
-def reward_model(path: str, batch_size: int = 8, max_length: int = 2048, device: str = "cpu",
-                 dtype: str = "fp32", label: int = 0, length_coef: float = 0.0,
-                 clip: float | None = None) -> RewardFn:
-    """Score with a sequence-classification reward model at `path` (logit `label`)."""
+def raw_scorer(path: str, batch_size: int = 8, max_length: int = 2048, device: str = "cpu", dtype: str = "fp32",
+               label: int = 0) -> tuple[Callable[[list[Any], list[str], list[dict[str, Any]]], list[float]], Any]:
+    """(batch(prompts, completions, rows) -> the model's logit `label` per sample, its tokenizer)."""
     import torch
 
     if batch_size < 1:
         raise RlftError(f"reward_model: batch_size must be >= 1, got {batch_size}")
     model, tokenizer = _load(path, device, dtype)
     if not 0 <= label < model.config.num_labels:
-        raise RlftError(f"reward_model: label {label} out of range; the model has {model.config.num_labels} labels")
+        raise RlftError(f"reward_model: label {label} out of range; {path} has {model.config.num_labels} labels")
     lock = threading.Lock()  # one forward at a time if called per sample from the scorer's threads
-
-    def finish(score: float, completion: str) -> float:
-        if length_coef:
-            n = len(tokenizer(completion, add_special_tokens=False)["input_ids"])
-            score -= length_coef * math.log1p(n)
-        if clip is not None:
-            score = max(-clip, min(clip, score))
-        return score
 
     def batch(prompts: list[Any], completions: list[str], rows: list[dict[str, Any]]) -> list[float]:
         scores: list[float] = []
@@ -102,7 +92,38 @@ def reward_model(path: str, batch_size: int = 8, max_length: int = 2048, device:
             with lock, torch.no_grad():
                 logits = model(**enc).logits  # (B, num_labels)
             scores += logits[:, label].float().tolist()
-        return [finish(s, c) for s, c in zip(scores, completions)]
+        return scores
+
+    return batch, tokenizer
+
+
+def shape_score(score: float, completion_tokens: int, length_coef: float, clip: float | None) -> float:
+    """Length normalisation and clipping (see the module docstring).
+
+    >>> round(shape_score(1.0, 6, 0.5, None), 4)  # 1 - 0.5 * ln(7)
+    0.027
+    >>> shape_score(5.0, 0, 0.0, 2.0)
+    2.0
+    """
+    if length_coef:
+        score -= length_coef * math.log1p(completion_tokens)
+    if clip is not None:
+        score = max(-clip, min(clip, score))
+    return score
+
+
+@register_reward("reward_model")
+def reward_model(path: str, batch_size: int = 8, max_length: int = 2048, device: str = "cpu",
+                 dtype: str = "fp32", label: int = 0, length_coef: float = 0.0,
+                 clip: float | None = None) -> RewardFn:
+    """Score with a sequence-classification reward model at `path` (logit `label`)."""
+    raw, tokenizer = raw_scorer(path, batch_size, max_length, device, dtype, label)
+
+    def batch(prompts: list[Any], completions: list[str], rows: list[dict[str, Any]]) -> list[float]:
+        scores = raw(prompts, completions, rows)
+        # counted in the reward model's own tokens (an ensemble counts the policy's: one count for all members)
+        lengths = [len(tokenizer(c, add_special_tokens=False)["input_ids"]) if length_coef else 0 for c in completions]
+        return [shape_score(s, n, length_coef, clip) for s, n in zip(scores, lengths)]
 
     def reward(prompt: Any, completion: str, **row: Any) -> float:
         return batch([prompt], [completion], [row])[0]

@@ -1,4 +1,4 @@
-"""Rule rewards: exact match, regex / format, JSON with required fields.
+"""Rule rewards: exact match, regex / format, JSON with required fields, an environment's own rewards.
 
 Each built-in is a factory (its config `args` are the factory's arguments) returning a function
 with the reward contract of `rlft.rewards.scoring`.
@@ -109,4 +109,31 @@ def json_fields(required: list[str] | None = None, field: str | None = None, che
         return hits / len(names)
 
     reward.required_fields = (field,) if field is not None and not required else ()
+    return reward
+
+
+_REDUCERS = {"sum": sum, "last": lambda xs: xs[-1], "mean": lambda xs: sum(xs) / len(xs), "max": max}
+
+
+@register_reward("environment")
+def environment(reduce: str = "sum") -> RewardFn:
+    """The rewards the episode's environment gave at its steps (agent.environment), reduced to one
+    value: sum (the episode's return), last, mean or max. An episode with no step (every turn a
+    tool call, or its first turn cut) earned nothing: 0.0.
+
+    >>> environment()("q", "7", env_rewards=[0.0, 0.0, 1.0])
+    1.0
+    >>> environment(reduce="mean")("q", "", env_rewards=[])
+    0.0
+    """
+    if reduce not in _REDUCERS:
+        raise ValueError(f"environment reduce must be one of {', '.join(_REDUCERS)}, got {reduce!r}")
+    combine = _REDUCERS[reduce]
+
+    def reward(prompt: str, completion: str, **row: Any) -> float:
+        rewards = row.get("env_rewards")
+        if rewards is None:
+            raise ValueError("the environment reward needs an episode with an environment (agent.environment)")
+        return float(combine(rewards)) if rewards else 0.0
+
     return reward

@@ -14,12 +14,21 @@ A reward function is `fn(prompt, completion, **row) -> float | None | dict[str, 
 - A dict is a set of named parts (e.g. code: parse / run / tests); its parts are logged as
   `<name>/<part>` and their sum is the component's value.
 
-Two optional attributes on a reward function change how it is called or combined:
+A reward may also return `Scored(value, info)` (see `rlft.rewards.scores`): the value as above, and
+per-sample notes that are logged (numbers as `reward/<name>/<key>` metrics, everything in
+samples.jsonl) but never added to the total.
+
+Optional attributes on a reward function change how it is called or combined:
 - `fn.batch(prompts, completions, rows) -> list[RewardValue]`: scored in one call (a reward
-  model batches its forward passes) instead of one call per sample on a thread pool;
+  model batches its forward passes, an LLM judge runs its own bounded pool of requests) instead
+  of one call per sample on a thread pool;
 - `fn.is_guard = True`: a guard (e.g. a safety filter) returns 0.0 when the sample is fine and
   the floor value when it fires; a firing guard replaces the whole total (unsafe output gets
-  the minimum reward, whatever else it earned: no correctness credit can buy it back).
+  the minimum reward, whatever else it earned: no correctness credit can buy it back);
+- `fn.longest_call_s`: the most one sample can take (an LLM judge's attempts and back-off);
+  a `scoring.timeout_s` below it is refused at start-up;
+- `fn.take_warnings() -> list[str]`: what went wrong since the last report (a judge's failed
+  requests), printed with the scorer's own warnings once per step.
 
 Reward code runs under guard (see `calls`): each call has a time limit (`scoring.timeout_s`; a
 timed-out call is unverifiable, counted and warned about, and a reward that times out
@@ -39,20 +48,19 @@ import logging
 import math
 import os
 import pickle
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from rlft.config import RewardSpec, ScoringConfig
-from rlft.errors import ConfigError, RewardError
+from rlft.errors import ConfigError, RewardError, RlftError
 from rlft.rewards.calls import CappedOutput, Outcome, call_all, routed_output
+from rlft.rewards.scores import RewardValue, Scored, Scores, check_info, unwrap
 from rlft.rewards.user_code import (ALLOWED_VALUES, SCORING_FIELDS, as_reward_value, check_user_function,
                                     describe_exception, indent, load_user_function, wrap_user_function)
 
 log = logging.getLogger(__name__)
-__all__ = ["BUILTIN_REWARDS", "SCORING_FIELDS", "RewardFn", "RewardScorer", "Scores", "build_reward",
-           "load_user_function", "register_reward", "score_completions", "scoring_row"]
-
-RewardValue = float | None | dict[str, float | None]
+__all__ = ["BUILTIN_REWARDS", "SCORING_FIELDS", "RewardFn", "RewardScorer", "Scored", "Scores", "build_reward",
+           "build_scorer", "load_user_function", "register_reward", "score_completions", "scoring_row"]
 
 
 class RewardFn(Protocol):
@@ -121,8 +129,10 @@ def score_completions(scorer: "RewardScorer", examples: list[Any], completions: 
     conversation and rendered prompt; a Completion: text, finish reason, token count)."""
     rows = [scoring_row(e.fields, c.finish_reason, len(c.completion_ids), max_new_tokens, e.messages, e.rendered)
             if c.episode is None else episode_row(e, c, max_new_tokens) for e, c in zip(examples, completions)]
-    return scorer.score([e.prompt_text for e in examples], [c.text for c in completions], rows,
-                        [e.where for e in examples])
+    # an environment's first observation took the place of the row's last message: it is the question
+    prompts = [e.prompt_text if c.episode is None else c.episode.messages[len(e.messages) - 1]["content"]
+               for e, c in zip(examples, completions)]
+    return scorer.score(prompts, [c.text for c in completions], rows, [e.where for e in examples])
 
 
 def episode_row(example: Any, completion: Any, max_new_tokens: int) -> dict[str, Any]:
@@ -130,49 +140,20 @@ def episode_row(example: Any, completion: Any, max_new_tokens: int) -> dict[str,
     then assistant turns with their `tool_calls` and the `tool` results); the positional
     `completion` is the last assistant turn; `turns`, `tool_calls` and `tool_errors` count.
     `completion_tokens` counts every token after the prompt and `max_new_tokens` is the episode's
-    budget they share (so length shaping such as `overlong` measures the whole episode)."""
+    budget they share (so length shaping such as `overlong` measures the whole episode). With an
+    environment: `env_rewards` (per step), `env_done` (it ended the episode, no limit did) and
+    `env_final` (the last step's observation, when the model never saw it)."""
     ep = completion.episode
     row = scoring_row(example.fields, completion.finish_reason, len(completion.completion_ids),
                       ep.max_tokens or max_new_tokens, ep.messages, example.rendered)
     row.update(turns=ep.turns, tool_calls=ep.tool_calls, tool_errors=sum(ep.errors.values()))
+    if ep.env_rewards is not None:
+        row.update(env_rewards=list(ep.env_rewards), env_done=ep.env_done, env_final=ep.env_final)
     return row
 
 
-@dataclass
-class Scores:
-    """Rewards for N samples. `total[i]` is None when sample i could not be verified."""
-
-    total: list[float | None]
-    components: dict[str, list[float | None]] = field(default_factory=dict)
-
-    def metrics(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        valid = [r for r in self.total if r is not None]
-        n = len(self.total)
-        out["reward/mean"] = _mean(valid)
-        out["reward/std"] = _std(valid)
-        out["reward/unverifiable_frac"] = (n - len(valid)) / n if n else 0.0
-        for name, values in self.components.items():
-            out[f"reward/{name}"] = _mean([v for v in values if v is not None])
-        return out
-
-
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else float("nan")
-
-
-def _std(xs: list[float]) -> float:
-    if len(xs) < 2:
-        return 0.0
-    m = _mean(xs)
-    try:
-        return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
-    except OverflowError:  # |rewards| near 1e154 and above with scoring.max_abs_reward=null
-        return float("inf")
-
-
 # Metric names the scorer writes under reward/: a component of the same name would collide.
-RESERVED_NAMES = ("mean", "std", "unverifiable_frac", "infra_error_rate", "timeouts", "errors")
+RESERVED_NAMES = ("mean", "std", "unverifiable_frac", "infra_error_rate", "timeouts", "errors", "disagreement")
 
 
 @dataclass
@@ -186,6 +167,9 @@ class _Tally:
     first_error: str = ""
     output_dropped: int = 0
     cwd_changed_to: str = ""
+
+
+_Judged = tuple[RewardValue, dict[str, Any]]  # one sample's value and its notes (Scored.info)
 
 
 class RewardScorer:
@@ -212,6 +196,7 @@ class RewardScorer:
             raise ConfigError(f"rewards: component name(s) {reserved} would collide with the metrics "
                               f"reward/{reserved[0]}...; give them another 'name:'")
         _check_code_time_limit(specs, timeout_s, max_workers)
+        _check_declared_time(built, timeout_s)
         self.components = [(name, fn, spec.weight) for (name, fn), spec in zip(built, specs)]
         self.labels = {name: f"{name!r}" + (f" ({spec.fn})" if spec.fn != name else "")
                        for name, spec in zip(names, specs)}
@@ -231,11 +216,15 @@ class RewardScorer:
         n = len(completions)
         wheres = wheres or [f"sample {i}" for i in range(n)]
         components: dict[str, list[float | None]] = {}
+        info: dict[str, list[Any]] = {}
         totals: list[float | None] = [0.0] * n
         guards: list[float | None] = [None] * n
         with routed_output():
             for name, fn, weight in self.components:
-                values = self._run(name, fn, prompts, completions, rows, wheres)
+                scored = self._run(name, fn, prompts, completions, rows, wheres)
+                values = [v for v, _ in scored]
+                for key in dict.fromkeys(k for _, notes in scored for k in notes):
+                    info[f"{name}/{key}"] = [notes.get(key) for _, notes in scored]
                 if getattr(fn, "is_guard", False):
                     for i, v in enumerate(values):
                         if v:  # fired (non-zero); None means the guard itself could not decide
@@ -252,10 +241,29 @@ class RewardScorer:
                         continue
                     totals[i] = None if value is None else totals[i] + weight * value
         totals = [g if g is not None else t for g, t in zip(guards, totals)]
+        spread = self._disagreement(info, n)
+        if spread is not None:
+            info["disagreement"] = spread
         if self.warn is not None:
             for line in self.take_report()[1]:
                 self.warn(line)
-        return Scores(totals, components)
+        return Scores(totals, components, info)
+
+    def _disagreement(self, info: dict[str, list[Any]], n: int) -> list[float | None] | None:
+        """Per sample, how uncertain the total is: the sum over components reporting a
+        `disagreement` note (an ensemble's std across its members) of |weight| x that note, in the
+        total's units. A sum, because the std of a sum is at most the sum of the stds whatever the
+        components' correlation. None when no component reports one."""
+        terms = [(abs(w), info[f"{name}/disagreement"]) for name, fn, w in self.components
+                 if f"{name}/disagreement" in info and not getattr(fn, "is_guard", False)]
+        if not terms:
+            return None
+        out: list[float | None] = []
+        for i in range(n):
+            parts = [(w, d[i]) for w, d in terms]
+            out.append(None if any(not isinstance(d, (int, float)) for _, d in parts) else
+                       sum(w * float(d) for w, d in parts))
+        return out
 
     def take_report(self) -> tuple[dict[str, float], list[str]]:
         """Since the last report: `reward/timeouts` and `reward/errors` (calls counted as
@@ -265,6 +273,9 @@ class RewardScorer:
         metrics = {"reward/timeouts": float(sum(t.timeouts for t in tallies.values())),
                    "reward/errors": float(sum(t.errors for t in tallies.values()))}
         lines = []
+        for name, fn, _ in self.components:  # a reward's own report (a judge's failed requests)
+            take = getattr(fn, "take_warnings", None)
+            lines += [f"reward {self._label(name)}: {line}" for line in (take() if take is not None else [])]
         for name, t in tallies.items():
             label = f"reward {self._label(name)}"
             if t.timeouts:
@@ -285,10 +296,10 @@ class RewardScorer:
         return self.labels.get(name, repr(name))
 
     # -- one component ------------------------------------------------------------------------
-    def _run(self, name: str, fn: RewardFn, prompts, completions, rows, wheres) -> list[RewardValue]:
+    def _run(self, name: str, fn: RewardFn, prompts, completions, rows, wheres) -> list[_Judged]:
         tally = self._tally.setdefault(name, _Tally())
         output, cwd, n = CappedOutput(), os.getcwd(), len(completions)
-        values: list[RewardValue] = [None] * n
+        values: list[_Judged] = [(None, {})] * n
 
         def settle(i: int, out: Outcome) -> None:
             values[i] = self._judge(name, fn, out, wheres[i])
@@ -308,7 +319,7 @@ class RewardScorer:
                 tally.cwd_changed_to = os.getcwd()
                 os.chdir(cwd)
 
-    def _judge_batch(self, name: str, fn: RewardFn, out: Outcome, wheres: list[str]) -> list[RewardValue]:
+    def _judge_batch(self, name: str, fn: RewardFn, out: Outcome, wheres: list[str]) -> list[_Judged]:
         if out.error is not None or out.timed_out:
             return [self._judge(name, fn, out, w) for w in wheres]
         values = out.value
@@ -318,9 +329,9 @@ class RewardScorer:
                              "return one value per row", force_stop=True)
         return [self._judge(name, fn, Outcome(value=v), w) for v, w in zip(values, wheres)]
 
-    def _judge(self, name: str, fn: RewardFn, out: Outcome, where: str) -> RewardValue:
-        """The call's value, or None (unverifiable) for a timed-out call; a failed call stops the
-        run or counts as unverifiable, as scoring.on_reward_error says."""
+    def _judge(self, name: str, fn: RewardFn, out: Outcome, where: str) -> _Judged:
+        """(the call's value, its notes); None (unverifiable) for a timed-out call; a failed call
+        stops the run or counts as unverifiable, as scoring.on_reward_error says."""
         tally = self._tally[name]
         tally.calls += 1
         if out.timed_out:
@@ -334,22 +345,30 @@ class RewardScorer:
                     f"{self.timeout_s:g}; the last on {where}), scoring.max_consecutive_timeouts={limit}: it hangs "
                     "or is far too slow.\nFix: run it by hand on that row to see where it waits, or raise "
                     "scoring.timeout_s if it is only slow")
-            return None
+            return None, {}
         self._streak[name] = 0
+        if isinstance(out.error, RlftError):  # a set-up problem (a judge's wrong URL): the same for every row,
+            raise RewardError(f"reward {self._label(name)}: {out.error}")  # and its message has the fix
         if out.error is not None:
             detail = describe_exception(out.error, getattr(fn, "user_file", None))
             self._fail(name, f" raised on {where}:\n{indent(detail)}", short=f"{where}: {detail.splitlines()[0]}")
-            return None
-        value, problem = as_reward_value(out.value)
+            return None, {}
+        raw, notes = unwrap(out.value)
+        bad_notes = check_info(notes)
+        if bad_notes is not None:
+            self._fail(name, f" returned a Scored for {where} whose notes cannot be logged: {bad_notes}",
+                       short=f"{where}: {bad_notes}")
+            return None, {}
+        value, problem = as_reward_value(raw)
         if problem is None:
             problem = self._out_of_scale(value)
         if problem is None:
-            return value
+            return value, notes
         returned, why = problem
         why = f": {why}" if why else ""
         self._fail(name, f" returned {returned} for {where}{why}.\nA reward returns {ALLOWED_VALUES}",
                    short=f"{where}: returned {returned}")
-        return None
+        return None, notes
 
     def _out_of_scale(self, value: RewardValue) -> tuple[str, str] | None:
         """A finite value beyond scoring.max_abs_reward (a raw count, a missing scale): as a reward
@@ -425,3 +444,31 @@ def _check_code_time_limit(specs: list[RewardSpec], timeout_s: float, max_worker
                 f"{program:g}s + {STARTUP_GRACE_S:g}s sandbox start-up, times {waves} for waiting on a free sandbox "
                 f"({max_workers} workers, {MAX_CONCURRENT} sandboxes at once) = {needed:g}s.\n"
                 f"Fix: set scoring.timeout_s={math.ceil(needed)} or more, or lower the code reward's timeout")
+
+
+def _check_declared_time(built: list[tuple[str, RewardFn]], timeout_s: float) -> None:
+    """A reward that declares how long one sample may take (`fn.longest_call_s`: an LLM judge's
+    attempts, time limits and back-off) must fit in scoring.timeout_s; else a slow but working
+    endpoint would be cut off as unverifiable before the reward's own retries could run."""
+    for i, (name, fn) in enumerate(built):
+        needed = getattr(fn, "longest_call_s", None)
+        if needed is not None and timeout_s < needed:
+            why = getattr(fn, "longest_call_why", "")
+            raise ConfigError(
+                f"scoring.timeout_s={timeout_s:g} is shorter than rewards[{i}] ({name!r}) may take per sample: "
+                f"{needed:g}s{f' ({why})' if why else ''}.\nFix: set scoring.timeout_s={math.ceil(needed)} or more, "
+                "or lower that reward's timeout_s or max_retries")
+
+
+def build_scorer(rewards: list[RewardSpec], scoring: ScoringConfig | None = None, *,
+                 should_stop: Callable[[], bool] | None = None,
+                 warn: Callable[[str], None] | None = log.warning) -> RewardScorer:
+    """The one way to build a scorer from config (training, evaluation, suites, comparisons,
+    data screening): the `rewards:` list under the `scoring:` section's limits.
+
+    `should_stop` is polled while calls run (a Ctrl-C); `warn=None` keeps warning lines for
+    `take_report()` (the online loop prints them once per step)."""
+    sc = scoring or ScoringConfig()
+    return RewardScorer(rewards, sc.max_workers, timeout_s=sc.timeout_s,
+                        max_consecutive_timeouts=sc.max_consecutive_timeouts, on_error=sc.on_reward_error,
+                        should_stop=should_stop, warn=warn, max_abs_reward=sc.max_abs_reward)

@@ -5,12 +5,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from rlft.config import AgentConfig, RolloutConfig, VllmSettings
-from rlft.errors import ConfigError
+from rlft.errors import ConfigError, DataError
 from rlft.models.precision import DTYPES
 from rlft.rollout.contract import Completion, Engine, SamplingParams
 
@@ -51,17 +51,51 @@ def rollout_dtype(name: str, precision: Any, device: torch.device | None = None)
     return None if dtype in (None, precision.weight_dtype) else dtype
 
 
-def turn_driver(cfg: AgentConfig, engine: Engine, tokenizer: Any) -> Any:
-    """The multi-turn driver `agent` configures: its tools loaded and checked, its parser chosen."""
+def turn_driver(cfg: AgentConfig, engine: Engine, tokenizer: Any, seed: int = 0,
+                max_prompt_tokens: int | None = None) -> Any:
+    """The multi-turn driver `agent` configures: its tools loaded and checked, its parser chosen, its
+    environment loaded and checked (its episodes seeded from the run's `seed`)."""
+    from rlft.rollout.environments import load_environment
     from rlft.rollout.tool_calls import pick_parser
     from rlft.rollout.tools import load_tools
     from rlft.rollout.turns import AgentLimits, TurnDriver
 
     limits = AgentLimits(max_turns=cfg.max_turns, max_total_tokens=cfg.max_total_tokens,
                          max_tool_output_tokens=cfg.max_tool_output_tokens, tool_timeout_s=cfg.tool_timeout_s,
-                         max_calls_per_turn=cfg.max_calls_per_turn)
+                         max_calls_per_turn=cfg.max_calls_per_turn, on_tool_error=cfg.on_tool_error)
+    environment = None if cfg.environment is None else \
+        load_environment(cfg.environment, cfg.environment_args, seed, max_prompt_tokens)
     return TurnDriver(engine, tokenizer, load_tools(cfg.tools), pick_parser(cfg.parser, tokenizer.chat_template),
-                      limits, cfg.check_drift)
+                      limits, cfg.check_drift, environment)
+
+
+def tool_transcripts(cfg: AgentConfig, tokenizer: Any) -> Any:
+    """SFT's view of `agent`: the tools it presents and the call syntax it writes, as rollouts do."""
+    from rlft.data.tool_transcripts import TranscriptEncoder
+    from rlft.rollout.tool_calls import pick_parser, pick_writer
+    from rlft.rollout.tools import load_tools
+
+    return TranscriptEncoder(tokenizer, load_tools(cfg.tools), pick_parser(cfg.parser, tokenizer.chat_template),
+                             pick_writer(cfg.parser, tokenizer.chat_template), cfg.max_tool_output_tokens)
+
+
+def check_prompts_with_tools(driver: Any, prompts: Sequence[Any], limit: int, budget: int) -> None:
+    """The tool descriptions lengthen every prompt: check them against data.max_prompt_length as
+    the episodes will see them, and prompt plus episode budget against a vLLM engine's length,
+    before the first step."""
+    longest = 0
+    for e in prompts:
+        n = len(driver.encoder.prompt_ids(e.messages))
+        if n > limit:
+            raise DataError(f"{e.where}: with the agent's tool descriptions the prompt is {n} tokens, longer than "
+                            f"data.max_prompt_length ({limit}); raise data.max_prompt_length or shorten the "
+                            "tools' docstrings")
+        longest = max(longest, n)
+    room = getattr(driver.engine, "max_model_len", None)  # a vLLM engine holds at most this many tokens
+    if room is not None and longest + budget > room:
+        raise ConfigError(f"agent: a prompt of {longest} tokens (tool descriptions included) plus the episode's "
+                          f"agent.max_total_tokens={budget} exceeds the vLLM engine's max_model_len={room}; raise "
+                          "rollout.vllm.max_model_len or lower agent.max_total_tokens")
 
 
 def sampling_params(cfg: RolloutConfig) -> SamplingParams:
@@ -69,5 +103,5 @@ def sampling_params(cfg: RolloutConfig) -> SamplingParams:
                           max_new_tokens=cfg.max_new_tokens, stop=tuple(cfg.stop))
 
 
-__all__ = ["Completion", "Engine", "SamplingParams", "build_engine", "rollout_dtype", "rollout_engine",
-           "sampling_params", "turn_driver"]
+__all__ = ["Completion", "Engine", "SamplingParams", "build_engine", "check_prompts_with_tools", "rollout_dtype",
+           "rollout_engine", "sampling_params", "tool_transcripts", "turn_driver"]

@@ -5,6 +5,11 @@ token, stops on the chat template's end-of-turn token (a random model emits othe
 mid-completion), drops finished rows from the batch, and draws each completion's tokens from its
 own seeded stream (rollout/seeds.py): the samples do not depend on the batch a completion shares
 or on the rank that generates it, and a resumed run continues the same streams.
+
+The n samples of a prompt share one prefill: each distinct prompt of a batch runs through the
+model once and its KV cache (and last logits) are copied to its n rows, where a prefill per row
+computed the same prompt n times. Same maths; the prefill's batch is smaller, which can change
+float rounding in the last bit (see tests/test_rollout.py for what holds).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from rlft.models.precision import autocast_to
 from rlft.models.template import end_of_turn_ids
 from rlft.rollout.contract import Completion, SamplingParams
 from rlft.rollout.fast_decode import LeanDecoder
-from rlft.rollout.seeds import check_engine_state, stream_seed
+from rlft.rollout.seeds import check_engine_state, request_seeds
 from rlft.models.forward import position_ids_for
 
 
@@ -39,7 +44,7 @@ def generation_stop_ids(model: Any, tokenizer: Any) -> list[int]:
 class HFEngine:
     def __init__(self, model: Any, tokenizer: Any, stop_ids: Sequence[int], device: torch.device,
                  seed: int = 0, batch_size: int | None = None, fast_decode: bool = True,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, share_prefill: bool = True):
         self.model = model
         self.compute_dtype = compute_dtype  # autocast to it (bf16 rollouts from fp32 master weights)
         self.tokenizer = tokenizer
@@ -49,6 +54,7 @@ class HFEngine:
         self._seed, self._stream, self._calls = seed, "train", 0
         self.pad_id = tokenizer.pad_token_id
         self.fast_decode = fast_decode
+        self.share_prefill = share_prefill  # one prefill per distinct prompt (False: one per row, as before)
         # transformers 5.x renamed `past_key_values` to `cache`; accept both.
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self._cache_kw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
@@ -56,16 +62,16 @@ class HFEngine:
     def sync_weights(self) -> None:
         """Same module as the trainer: nothing to copy."""
 
-    def generate(self, prompts: Sequence[list[int]], params: SamplingParams, first_prompt: int = 0) -> list[Completion]:
-        """`first_prompt`: the global index of prompts[0] (a rank's share of a step's prompts), so
-        completion k of a prompt draws from the same stream wherever it is generated."""
-        call = self._calls
-        self._calls += 1
+    def generate(self, prompts: Sequence[list[int]], params: SamplingParams, first_prompt: int = 0,
+                 streams: Sequence[str] | None = None) -> list[Completion]:
+        """`first_prompt` and `streams` name the sampling streams (see `Engine.generate`): completion
+        k of a prompt draws from the same stream wherever it is generated."""
+        call = self._calls if streams is None else self._calls - 1  # a later turn continues the last call
+        self._calls += streams is None
         if not prompts:
             return []
         rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
-        seeds = [stream_seed(self._seed, self._stream, call, (first_prompt + i) * params.n + k)
-                 for i in range(len(prompts)) for k in range(params.n)]
+        seeds = request_seeds(self._seed, self._stream, call, len(prompts), params.n, first_prompt, streams)
         step = self.batch_size or len(rows)
         out: list[Completion] = []
         was_training = self.model.training
@@ -100,11 +106,9 @@ class HFEngine:
         stopped = torch.zeros(n, dtype=torch.bool, device=self.device)
         active = torch.arange(n, device=self.device)  # rows still generating, as indices into all rows
         positions = position_ids_for(attention)
-        out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                         use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1]
-        decoder = self._decoder(self._cache_of(out), width + params.max_new_tokens)
-        del out  # the decoder holds (or copied) the prefill's cache
+        logits, cache = self._prefill(rows, input_ids, attention, positions)
+        decoder = self._decoder(cache, width + params.max_new_tokens)
+        del cache  # the decoder holds (or copied) the prefill's cache
         next_pos = positions[:, -1:] + 1
         texts_needed = bool(params.stop)
         uniforms = self._uniforms(seeds, params.max_new_tokens) if params.temperature > 0 else None  # [n, T]
@@ -129,6 +133,27 @@ class HFEngine:
             logits = decoder.step(token, next_pos, attention)
             next_pos = next_pos + 1
         return self._completions(rows, tokens, logprobs, lengths, stopped, params)
+
+    def _prefill(self, rows: list[tuple[int, list[int]]], input_ids: torch.Tensor, attention: torch.Tensor,
+                 positions: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """The last logits `[n, V]` and the KV cache of every row, each distinct prompt computed once."""
+        first: dict[int, int] = {}  # prompt index -> its first row
+        source = torch.tensor([first.setdefault(i, r) for r, (i, _) in enumerate(rows)], device=self.device)  # [n]
+        unique = torch.tensor(sorted(first.values()), device=self.device)  # [U]
+        share = self.share_prefill and unique.numel() < len(rows)
+        pick = unique if share else slice(None)
+        out = self.model(input_ids=input_ids[pick], attention_mask=attention[pick], position_ids=positions[pick],
+                         use_cache=True, logits_to_keep=1)
+        logits, cache = out.logits[:, -1], self._cache_of(out)
+        if not share:
+            return logits, cache
+        to_unique = torch.searchsorted(unique, source)  # [n]: row -> its prompt's place in the prefill
+        if not hasattr(cache, "batch_select_indices"):  # a cache we cannot copy rows of: prefill per row
+            out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                             use_cache=True, logits_to_keep=1)
+            return out.logits[:, -1], self._cache_of(out)
+        cache.batch_select_indices(to_unique)
+        return logits[to_unique], cache
 
     def _decoder(self, cache: Any, capacity: int) -> Any:
         lean = LeanDecoder.build(self.model, capacity) if self.fast_decode else None

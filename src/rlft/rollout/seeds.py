@@ -3,17 +3,36 @@
 Each completion draws from its own stream, named by (run seed, stream, generate call, the global
 index of the completion): the same prompt gets the same samples whether it is generated alone, in
 a batch, or on another rank of a distributed run -- and a resumed run continues the same streams.
+A later turn of a multi-turn episode draws from a stream named by the episode instead (its global
+prompt index, sample and turn) within the call its first turn made (see `Engine.generate`).
 """
 
 from __future__ import annotations
 
 import hashlib
+from typing import Sequence
 
 
-def stream_seed(seed: int, stream: str, call: int, index: int = 0) -> int:
+def stream_seed(seed: int, stream: str, call: int, index: int | str = 0) -> int:
     """A 56-bit seed: a stable hash (the same across processes and runs, unlike `hash()`)."""
     digest = hashlib.sha256(f"rlft-sample:{seed}:{stream}:{call}:{index}".encode()).digest()
     return int.from_bytes(digest[:7], "little")
+
+
+def named_stream_seed(seed: int, stream: str, call: int, name: str, sample: int = 0) -> int:
+    """The seed of a named stream (an episode's later turn); never that of an indexed one."""
+    return stream_seed(seed, stream, call, f"named:{name}:{sample}")
+
+
+def request_seeds(seed: int, stream: str, call: int, prompts: int, n: int, first_prompt: int = 0,
+                  streams: Sequence[str] | None = None) -> list[int]:
+    """One seed per completion, grouped by prompt: completion k of prompt i draws from stream
+    (first_prompt + i) * n + k, or from the named stream (streams[i], k) of a later turn."""
+    if streams is not None:
+        if len(streams) != prompts:
+            raise ValueError(f"{len(streams)} stream names for {prompts} prompts: give one per prompt")
+        return [named_stream_seed(seed, stream, call, streams[i], k) for i in range(prompts) for k in range(n)]
+    return [stream_seed(seed, stream, call, (first_prompt + i) * n + k) for i in range(prompts) for k in range(n)]
 
 
 def check_engine_state(state: dict, engine: str) -> None:

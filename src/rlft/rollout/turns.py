@@ -2,6 +2,10 @@
 
     prompt -> [sample a turn -> parse calls -> run tools -> insert the observation]* -> Completion
 
+With an environment (rollout/environments.py), a turn without tool calls is its action instead:
+the environment steps on the turn's text, its reward is recorded, and its observation is inserted
+as a `user` message the same way, until it is done.
+
 Token-in, token-out: the sequence trained on is the prompt, then each turn's sampled ids as the
 engine returned them, then each observation's ids, encoded once. History is never decoded and
 re-encoded (the drift behind trl#5224 and verl#3720), so what the loss sees is what was sampled.
@@ -17,8 +21,9 @@ Limits: `max_turns` assistant turns; `max_total_tokens`, one budget for everythi
 prompt (sampled and inserted tokens): a turn is cut where the budget ends (a prefix of a sample is
 a sample; the episode ends as 'length'), and an observation that would fill it ends the episode as
 truncated, never inserted in part. Deviation from a per-episode engine call: the turns of all live
-episodes are sampled in one engine call per round (n=1 each), so a later turn's sampling stream is
-named by its position among the live episodes of that round.
+episodes are sampled in one engine call per round (n=1 each). A later turn's sampling stream is
+named by (global prompt index, sample, turn) within the request the first turn made, so an
+episode is the same whichever episodes share its rounds and whichever rank runs it.
 
 The re-render check (`check_drift`) measures what a decode-and-re-encode pipeline would have
 trained on instead: the finished transcript through the template, tokenized, against the trained
@@ -35,7 +40,8 @@ from typing import Any, Sequence
 from rlft.errors import ConfigError
 from rlft.models.template import Messages, encode_text, end_of_turn_ids
 from rlft.rollout.contract import Completion, Engine, Episode, SamplingParams
-from rlft.rollout.tool_calls import Parser
+from rlft.rollout.environments import EnvironmentSource, EpisodeEnv, EpisodeRow, env_counts, env_metrics
+from rlft.rollout.tool_calls import Parser, hermes
 from rlft.rollout.tools import ERROR_KINDS, PendingCall, Tool, ToolResult, start_call
 
 _MARKER = "\x00RLFT_ASSISTANT\x00"
@@ -43,8 +49,8 @@ _PROBE: Messages = [{"role": "user", "content": "What is 2 + 3?"}]
 
 TOOLS_BLOCK = (
     "You can call tools. Their JSON schemas:\n<tools>\n{schemas}\n</tools>\n"
-    "To call a tool, write <tool_call>{{\"name\": <tool name>, \"arguments\": <JSON object>}}</tool_call> "
-    "and end your turn; each result comes back in a tool message. When you are done, answer without a call.")
+    "To call a tool, {syntax} and end your turn; each result comes back in a tool message. When you are done, "
+    "answer without a call.")
 
 
 @dataclass(frozen=True)
@@ -54,14 +60,16 @@ class AgentLimits:
     max_tool_output_tokens: int = 256
     tool_timeout_s: float = 10.0
     max_calls_per_turn: int = 4
+    on_tool_error: str = "observe"  # 'end': a turn with a failed call ends the episode (agent.on_tool_error)
 
 
 class ObservationEncoder:
     """Prompts and observations through the chat template, tools presented the template's way (its
-    `tools=` argument) or, for a template without tool support, as a system block (TOOLS_BLOCK)."""
+    `tools=` argument) or, for a template without tool support, as a system block (TOOLS_BLOCK)
+    that teaches `call_syntax`, the parser's own (tool_calls.py)."""
 
-    def __init__(self, tokenizer: Any, schemas: list[dict[str, Any]]):
-        self.tokenizer, self.schemas = tokenizer, schemas
+    def __init__(self, tokenizer: Any, schemas: list[dict[str, Any]], call_syntax: str = hermes.syntax):
+        self.tokenizer, self.schemas, self.call_syntax = tokenizer, schemas, call_syntax
         plain = self._apply(_PROBE, True, None)
         self.native_tools = bool(schemas) and self._apply(_PROBE, True, schemas) != plain
         self.eot_ids = set(end_of_turn_ids(tokenizer))
@@ -74,7 +82,7 @@ class ObservationEncoder:
     def with_tools(self, messages: Messages) -> Messages:
         if not self.schemas or self.native_tools:
             return list(messages)
-        block = TOOLS_BLOCK.format(schemas="\n".join(json.dumps(s) for s in self.schemas))
+        block = TOOLS_BLOCK.format(schemas="\n".join(json.dumps(s) for s in self.schemas), syntax=self.call_syntax)
         if messages and messages[0]["role"] == "system":
             return [{**messages[0], "content": messages[0]["content"] + "\n\n" + block}, *messages[1:]]
         return [{"role": "system", "content": block}, *messages]
@@ -92,6 +100,16 @@ class ObservationEncoder:
         if last_sampled is not None and last_sampled in self.eot_ids and ids and ids[0] == last_sampled:
             ids = ids[1:]  # the model sampled the end-of-turn token itself
         return ids
+
+    def turn_end_id(self) -> int | None:
+        """The token a sampled turn ends on: the one the template puts right after the assistant's
+        text when it ends turns (ChatML's <|im_end|>), else EOS (the observation tail then brings
+        the template's own ending); None when there is neither."""
+        text = self.render([*_PROBE, {"role": "assistant", "content": _MARKER}], False)
+        tail = encode_text(self.tokenizer, text.split(_MARKER, 1)[1])
+        if tail and tail[0] in self.eot_ids:
+            return tail[0]
+        return self.tokenizer.eos_token_id
 
     def _check_template(self) -> None:
         """Refuse at start-up a template this driver cannot insert observations with."""
@@ -122,6 +140,7 @@ class _Live:
     record: Episode | None = None
     last_text: str = ""
     finish: str = "stop"
+    env: EpisodeEnv | None = None  # its environment instance, if the driver has one
 
 
 class TurnDriver:
@@ -129,16 +148,22 @@ class TurnDriver:
     grouped by prompt like `Engine.generate`, each one whole episode."""
 
     def __init__(self, engine: Engine, tokenizer: Any, tools: list[Tool], parser: Parser,
-                 limits: AgentLimits = AgentLimits(), check_drift: bool = True):
+                 limits: AgentLimits = AgentLimits(), check_drift: bool = True,
+                 environment: EnvironmentSource | None = None):
         self.engine, self.tokenizer, self.parser, self.limits = engine, tokenizer, parser, limits
-        self.check_drift = check_drift
+        self.check_drift, self.environment = check_drift, environment
         self.tools = {t.name: t for t in tools}
-        self.encoder = ObservationEncoder(tokenizer, [t.schema for t in tools])
+        self.encoder = ObservationEncoder(tokenizer, [t.schema for t in tools], parser.syntax)
 
-    def run(self, prompts: Sequence[Messages], params: SamplingParams, first_prompt: int = 0) -> list[Completion]:
+    def run(self, prompts: Sequence[Messages], params: SamplingParams, first_prompt: int = 0,
+            rows: Sequence[EpisodeRow] | None = None) -> list[Completion]:
+        """`rows`: each prompt's row, which an environment is started from (default: no fields)."""
         lim = self.limits
+        prompts, envs = self._start_environments(prompts, params.n, first_prompt, rows)
         prompt_ids = [self.encoder.prompt_ids(m) for m in prompts]
-        live = [_Live(i * params.n + k, i, list(m), ids, record=Episode(list(m), max_tokens=lim.max_total_tokens))
+        live = [_Live(i * params.n + k, i, list(m), ids, env=envs[i][k],
+                      record=Episode(list(m), max_tokens=lim.max_total_tokens,
+                                     env_rewards=None if envs[i][k] is None else []))
                 for i, (m, ids) in enumerate(zip(prompts, prompt_ids)) for k in range(params.n)]
         episodes, turn = list(live), 0
         while live:
@@ -147,19 +172,58 @@ class TurnDriver:
             turn_params = SamplingParams(n=params.n if turn == 1 else 1, temperature=params.temperature,
                                          top_p=params.top_p, top_k=params.top_k, stop=params.stop,
                                          max_new_tokens=min(params.max_new_tokens, budget))
-            contexts = prompt_ids if turn == 1 else [e.prompt_ids + e.ids for e in live]
-            outs = self.engine.generate(contexts, turn_params,
-                                        first_prompt=first_prompt if turn == 1 else first_prompt * params.n)
+            if turn == 1:
+                outs = self.engine.generate(prompt_ids, turn_params, first_prompt=first_prompt)
+            else:
+                names = [f"{first_prompt + e.prompt_index}/{e.index - e.prompt_index * params.n}/{turn}" for e in live]
+                outs = self.engine.generate([e.prompt_ids + e.ids for e in live], turn_params, streams=names)
             wanting: list[tuple[_Live, list]] = []
+            acting: list[_Live] = []  # turns without calls that an environment answers
             for ep, out in zip(live, outs):
                 calls = self._take_turn(ep, out, turn, params.stop)
                 if calls:
                     wanting.append((ep, calls))
-            live = self._insert_observations(wanting)
+                elif ep.env is not None and ep.finish == "stop" and not ep.record.max_turns_reached:
+                    acting.append(ep)  # (a turn cut by a length limit is no finished action)
+            going_on = self._insert_observations(wanting) + self._step_environments(acting, turn)
+            live = sorted(going_on, key=lambda e: e.index)  # each round's requests in episode order
         if self.check_drift:
             for ep in episodes:
                 ep.record.retokenize_drift = self._drift(ep)
         return [self._completion(e) for e in episodes]
+
+    def _start_environments(self, prompts: Sequence[Messages], n: int, first_prompt: int,
+                            rows: Sequence[EpisodeRow] | None) -> tuple[list[Messages], list[list]]:
+        """Each prompt's group of environment instances, reset, and its prompt (a first observation
+        takes the place of the row's last message); [None] * n per prompt without an environment."""
+        if self.environment is None:
+            return list(prompts), [[None] * n for _ in prompts]
+        rows = rows or [EpisodeRow(f"prompt {first_prompt + i}", {}, first_prompt + i) for i in range(len(prompts))]
+        started = [self.environment.start(m, row, n) for m, row in zip(prompts, rows)]
+        for (messages, _), row in zip(started, rows):
+            self.environment.check_prompt(row, len(self.encoder.prompt_ids(messages)))
+        return [m for m, _ in started], [envs for _, envs in started]
+
+    def _step_environments(self, acting: list[_Live], turn: int) -> list[_Live]:
+        """Step each episode's environment on its turn's text; the episodes that go on, with the
+        observation inserted as a user message."""
+        going_on = []
+        for ep in acting:
+            result = ep.env.step(ep.last_text)
+            record = ep.record
+            record.env_rewards.append(result.reward)
+            # the last allowed turn's action still earns its reward; its observation has no reader
+            if result.done or turn >= self.limits.max_turns:
+                record.env_done, record.max_turns_reached = result.done, not result.done
+                record.env_final = result.observation
+                continue
+            inserted = self._insert(ep, [{"role": "user", "content": result.observation}])
+            if inserted is None:
+                record.env_final = result.observation
+                continue
+            record.env_tokens += inserted
+            going_on.append(ep)
+        return going_on
 
     def _drift(self, ep: _Live) -> int:
         """Trained tokens from the first one where the re-rendered transcript's tokens differ."""
@@ -212,8 +276,8 @@ class TurnDriver:
                     result = ToolResult(f"Error: at most {lim.max_calls_per_turn} tool calls per turn",
                                         "too_many_calls")
                 elif call.error is not None:
-                    result = ToolResult("Error: the tool call is not valid JSON of the form "
-                                        '{"name": ..., "arguments": {...}}', call.error)
+                    result = ToolResult(f"Error: the tool call could not be read; to call a tool, {self.parser.syntax}",
+                                        call.error)
                 else:
                     started.append((call.name, start_call(self.tools, call.name, call.arguments)))
                     continue
@@ -221,34 +285,38 @@ class TurnDriver:
             pending.append(started)
         going_on = []
         for (ep, calls), started in zip(wanting, pending):
-            messages = []
+            messages, failed = [], False
             for name, call in started:
                 result = call.result(lim.tool_timeout_s)
                 ep.record.tool_calls += 1
                 if result.error is not None:
                     ep.record.errors[result.error] = ep.record.errors.get(result.error, 0) + 1
+                    failed = True
                 if call.immediate is None:
                     ep.record.tool_latency_s.append(result.seconds)
-                messages.append({"role": "tool", "name": name, "content": self._cut(result.text)})
-            obs = self.encoder.observation_ids(ep.prompt, messages, ep.ids[-1] if ep.ids else None)
-            if len(ep.ids) + len(obs) >= lim.max_total_tokens:  # no room for the observation and a reply
-                ep.record.budget_truncated, ep.finish = True, "length"  # the transcript ends as the model saw it
+                messages.append({"role": "tool", "name": name,
+                                 "content": cut_tool_output(self.tokenizer, result.text, lim.max_tool_output_tokens)})
+            if failed and lim.on_tool_error == "end":  # ends as the model left it: 'stop', no results shown
+                ep.record.ended_on_error = True
                 continue
-            ep.record.messages += messages
-            ep.ids += obs
-            ep.logprobs += [0.0] * len(obs)
-            ep.mask += [0] * len(obs)
-            ep.record.tool_tokens += len(obs)
-            going_on.append(ep)
+            inserted = self._insert(ep, messages)
+            if inserted is not None:
+                ep.record.tool_tokens += inserted
+                going_on.append(ep)
         return going_on
 
-    def _cut(self, text: str) -> str:
-        """Tool output beyond max_tool_output_tokens is cut there, with a marker the model can read."""
-        ids = encode_text(self.tokenizer, text)
-        limit = self.limits.max_tool_output_tokens
-        if len(ids) <= limit:
-            return text
-        return self.tokenizer.decode(ids[:limit]) + f"\n[output cut: {len(ids) - limit} more tokens]"
+    def _insert(self, ep: _Live, messages: Messages) -> int | None:
+        """Append an observation (its ids encoded once, loss-masked) and its messages; the number of
+        ids inserted, or None when it would leave no room for a reply (the episode ends there)."""
+        obs = self.encoder.observation_ids(ep.prompt, messages, ep.ids[-1] if ep.ids else None)
+        if len(ep.ids) + len(obs) >= self.limits.max_total_tokens:
+            ep.record.budget_truncated, ep.finish = True, "length"  # the transcript ends as the model saw it
+            return None
+        ep.record.messages += messages
+        ep.ids += obs
+        ep.logprobs += [0.0] * len(obs)
+        ep.mask += [0] * len(obs)
+        return len(obs)
 
     @staticmethod
     def _completion(ep: _Live) -> Completion:
@@ -256,28 +324,59 @@ class TurnDriver:
                           finish_reason=ep.finish, prompt_index=ep.prompt_index, loss_mask=ep.mask, episode=ep.record)
 
 
-def episode_metrics(completions: Sequence[Completion]) -> dict[str, float]:
-    """A step's agent metrics: turns and calls per episode, tool errors by kind (counts, and the
-    share of calls that failed), the share of inserted tokens, budget truncations, tool latency."""
+def cut_tool_output(tokenizer: Any, text: str, limit: int) -> str:
+    """Tool output beyond `limit` tokens is cut there, with a marker the model can read (rollouts and
+    SFT transcripts alike, so the model is trained on the results it will be shown)."""
+    ids = encode_text(tokenizer, text)
+    if len(ids) <= limit:
+        return text
+    return tokenizer.decode(ids[:limit]) + f"\n[output cut: {len(ids) - limit} more tokens]"
+
+
+def episode_counts(completions: Sequence[Completion]) -> dict[str, float]:
+    """What `episode_metrics` divides: sums over the episodes (and the slowest call), which add up
+    over ranks (a key ending in 'max' takes the maximum, as MetricAccumulator.reduce does)."""
     records = [c.episode for c in completions if c.episode is not None]
-    if not records:
-        return {}
-    n = len(records)
-    calls = sum(r.tool_calls for r in records)
-    errors = {kind: sum(r.errors.get(kind, 0) for r in records) for kind in ERROR_KINDS}
     latency = [s for r in records for s in r.tool_latency_s]
-    tokens = sum(len(c.completion_ids) for c in completions if c.episode is not None)
-    out = {"agent/turns_mean": sum(r.turns for r in records) / n,
+    drift = [r.retokenize_drift for r in records if r.retokenize_drift is not None]
+    counts = {"episodes": float(len(records)), "turns": float(sum(r.turns for r in records)),
+              "tool_calls": float(sum(r.tool_calls for r in records)),
+              "tool_tokens": float(sum(r.tool_tokens for r in records)),
+              "tokens": float(sum(len(c.completion_ids) for c in completions if c.episode is not None)),
+              "budget_truncated": float(sum(r.budget_truncated for r in records)),
+              "max_turns_reached": float(sum(r.max_turns_reached for r in records)),
+              "ended_on_error": float(sum(r.ended_on_error for r in records)),
+              "latency_sum": sum(latency), "latency_n": float(len(latency)), "latency_max": max(latency, default=0.0),
+              "drift_sum": float(sum(drift)), "drift_n": float(len(drift)), "drifted": float(sum(d > 0 for d in drift))}
+    counts.update({f"errors/{kind}": float(sum(r.errors.get(kind, 0) for r in records)) for kind in ERROR_KINDS})
+    counts.update(env_counts(records))
+    return counts
+
+
+def episode_metrics(completions: Sequence[Completion], reduce: Any = None) -> dict[str, float]:
+    """A step's agent metrics: turns and calls per episode, tool errors by kind (counts, and the
+    share of calls that failed), the share of inserted tokens, budget truncations, tool latency.
+    `reduce`: counts -> counts summed over every rank's episodes (a distributed run), so the
+    metrics are the whole step's; every rank must call it (it runs collectives)."""
+    c = episode_counts(completions)
+    if reduce is not None:
+        c = reduce(c)
+    n, calls = c["episodes"], c["tool_calls"]
+    if not n:
+        return {}
+    errors = {kind: c[f"errors/{kind}"] for kind in ERROR_KINDS}
+    out = {"agent/turns_mean": c["turns"] / n,
            "agent/tool_calls_mean": calls / n,
            "agent/tool_error_rate": sum(errors.values()) / calls if calls else 0.0,
-           "agent/tool_token_frac": sum(r.tool_tokens for r in records) / max(tokens, 1),
-           "agent/budget_truncated": float(sum(r.budget_truncated for r in records)),
-           "agent/max_turns_reached": float(sum(r.max_turns_reached for r in records)),
-           "agent/tool_latency_mean_s": sum(latency) / len(latency) if latency else 0.0,
-           "agent/tool_latency_max_s": max(latency, default=0.0)}
-    drift = [r.retokenize_drift for r in records if r.retokenize_drift is not None]
-    if drift:
-        out["agent/retokenize_drift"] = sum(drift) / len(drift)
-        out["agent/retokenize_drift_frac"] = sum(d > 0 for d in drift) / len(drift)
-    out.update({f"agent/errors/{kind}": float(count) for kind, count in errors.items()})
+           "agent/tool_token_frac": c["tool_tokens"] / max(c["tokens"], 1.0),
+           "agent/budget_truncated": c["budget_truncated"],
+           "agent/max_turns_reached": c["max_turns_reached"],
+           "agent/ended_on_error": c["ended_on_error"],
+           "agent/tool_latency_mean_s": c["latency_sum"] / c["latency_n"] if c["latency_n"] else 0.0,
+           "agent/tool_latency_max_s": c["latency_max"]}
+    if c["drift_n"]:
+        out["agent/retokenize_drift"] = c["drift_sum"] / c["drift_n"]
+        out["agent/retokenize_drift_frac"] = c["drifted"] / c["drift_n"]
+    out.update({f"agent/errors/{kind}": count for kind, count in errors.items()})
+    out.update(env_metrics(c))
     return out

@@ -31,7 +31,7 @@ import torch
 from rlft.config import VllmSettings
 from rlft.errors import ConfigError, ResumeError, RlftError
 from rlft.rollout.contract import Completion, SamplingParams
-from rlft.rollout.seeds import check_engine_state, stream_seed
+from rlft.rollout.seeds import check_engine_state, named_stream_seed, stream_seed
 from rlft.rollout.vllm_weights import (StalenessTracker, base_model_of, full_state, lora_rank, merged_lora_state,
                                        watched_tensors)
 
@@ -185,21 +185,27 @@ class VLLMEngine:
 
     # ---- sampling ------------------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[list[int]], params: SamplingParams, first_prompt: int = 0) -> list[Completion]:
+    def generate(self, prompts: Sequence[list[int]], params: SamplingParams, first_prompt: int = 0,
+                 streams: Sequence[str] | None = None) -> list[Completion]:
         """n completions per prompt, grouped by prompt, as `HFEngine.generate` returns them;
-        `first_prompt` is the global index of prompts[0] (a rank's share of a step's prompts)."""
+        `first_prompt` and `streams` name the sampling streams (see `Engine.generate`). Prompts go
+        to vLLM as token ids (its TokensPrompt), never as text: a later turn's context is the
+        episode's ids as sampled and inserted."""
+        call = self._calls if streams is None else self._calls - 1  # a later turn continues the last call
+        self._calls += streams is None
         if not prompts:
-            self._calls += 1
             return []
-        self._check_request(prompts, params)
+        if streams is not None and len(streams) != len(prompts):
+            raise ValueError(f"{len(streams)} stream names for {len(prompts)} prompts: give one per prompt")
+        self._check_request(params)
+        caps = self._token_caps(prompts, params, later_turn=streams is not None)
         self.sync_weights()
         self._wake()
-        call = self._calls
-        self._calls += 1
         # one seed per request (prompt); vLLM seeds its n samples with seed + index
-        requests = [self._vllm_params(params, stream_seed(self._seed, self._stream, call, first_prompt + i))
-                    for i in range(len(prompts))]
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], requests,
+        seeds = [stream_seed(self._seed, self._stream, call, first_prompt + i) if streams is None
+                 else named_stream_seed(self._seed, self._stream, call, streams[i]) for i in range(len(prompts))]
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
+                                    [self._vllm_params(params, seed, cap) for seed, cap in zip(seeds, caps)],
                                     lora_request=self._lora_request, use_tqdm=False)
         if self.settings.sleep:
             self.llm.sleep(level=1)
@@ -211,7 +217,7 @@ class VLLMEngine:
                 out += [self._completion(i, list(prompt), sample, params) for _ in range(copies)]
         return out
 
-    def _check_request(self, prompts: Sequence[list[int]], params: SamplingParams) -> None:
+    def _check_request(self, params: SamplingParams) -> None:
         if params.temperature > 0 and (params.top_p < 1.0 or params.top_k):
             raise ConfigError("rollout.engine=vllm reports log-probs renormalised over the top-p/top-k tokens, which "
                               "differ from the trainer's log_softmax(logits / temperature); set rollout.top_p=1.0 and "
@@ -219,18 +225,32 @@ class VLLMEngine:
         if params.temperature > 2.0:
             raise ConfigError(f"rollout.engine=vllm accepts temperatures up to 2.0 (vLLM's limit), got "
                               f"{params.temperature}; lower rollout.temperature or use rollout.engine=hf")
-        limit = self.llm.llm_engine.model_config.max_model_len
-        longest = max((len(p) for p in prompts), default=0)
-        if longest + params.max_new_tokens > limit:
+
+    def _token_caps(self, prompts: Sequence[list[int]], params: SamplingParams, later_turn: bool) -> list[int]:
+        """max_tokens of each request. A later turn's episodes share one max_new_tokens (the largest
+        budget left among them), which a long episode's context plus that may exceed: each is capped
+        at what the engine holds. The driver cuts every episode at its own budget, which fits
+        (rollout.check_prompts_with_tools), so a cap never shortens what an episode keeps."""
+        limit = self.max_model_len
+        caps = [min(params.max_new_tokens, limit - len(p)) if later_turn else params.max_new_tokens for p in prompts]
+        longest = max(len(p) for p in prompts)
+        if longest + params.max_new_tokens > limit and (not later_turn or min(caps) < 1):
             raise ConfigError(f"a prompt of {longest} tokens plus max_new_tokens={params.max_new_tokens} exceeds the "
                               f"vLLM engine's max_model_len={limit}; raise rollout.vllm.max_model_len or shorten "
-                              "data.max_prompt_length / rollout.max_new_tokens")
+                              "data.max_prompt_length / rollout.max_new_tokens (with an agent: agent.max_total_tokens)")
+        return caps
 
-    def _vllm_params(self, params: SamplingParams, seed: int) -> Any:
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence the engine holds: a prompt (or an episode so far) and its completion."""
+        return self.llm.llm_engine.model_config.max_model_len
+
+    def _vllm_params(self, params: SamplingParams, seed: int, max_tokens: int) -> Any:
         from vllm import SamplingParams as VllmSamplingParams
 
         return VllmSamplingParams(
-            n=1 if params.temperature == 0 else params.n, temperature=params.temperature, max_tokens=params.max_new_tokens, seed=seed,
+            n=1 if params.temperature == 0 else params.n, temperature=params.temperature, max_tokens=max_tokens,
+            seed=seed,
             stop=list(params.stop) or None, stop_token_ids=self.stop_ids,
             # stop exactly on rlft's stop ids (end-of-turn, EOS, generation_config EOS), not vLLM's own idea of EOS
             ignore_eos=True, logprobs=0, detokenize=bool(params.stop), skip_special_tokens=True)

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from rlft.algorithms import zero_variance_groups
 from rlft.data.order import PromptSampler
 from rlft.data.prompts import PromptExample
+from rlft.monitor.stats import MetricAccumulator
 from rlft.rewards.scoring import RewardScorer, Scores, score_completions
 from rlft.rollout.contract import Completion, Engine, SamplingParams
+from rlft.rollout.environments import EpisodeRow
 from rlft.rollout.turns import TurnDriver, episode_metrics
 from rlft.training.distributed import SINGLE, World
 
@@ -53,14 +54,16 @@ def collect_rollout(engine: Engine, sampler: PromptSampler, prompts: list[Prompt
     while True:
         rounds += 1
         need = prompts_per_step - int(world.sum([len({g for *_, g in kept})])[0])
+        first_draw = sampler.drawn
         drawn = [prompts[i] for i in sampler.take(need)]
         first, stop = world.share(len(drawn))
         chosen = drawn[first:stop]
         start = time.perf_counter()
-        if not chosen:
-            completions = []
+        if not chosen:  # called all the same: every rank's engine counts the same calls (see Engine.generate)
+            completions = engine.generate([], params, first_prompt=next_group + first)
         elif driver is not None:
-            completions = driver.run([e.messages for e in chosen], params, first_prompt=next_group + first)
+            rows = [EpisodeRow(e.where, e.fields, first_draw + first + j) for j, e in enumerate(chosen)]
+            completions = driver.run([e.messages for e in chosen], params, first_prompt=next_group + first, rows=rows)
         else:
             completions = engine.generate([e.prompt_ids for e in chosen], params, first_prompt=next_group + first)
         t_gen += time.perf_counter() - start
@@ -75,14 +78,16 @@ def collect_rollout(engine: Engine, sampler: PromptSampler, prompts: list[Prompt
         if dynamic_sampling:
             keep = ~_flat_groups(scores.total, groups)
             dropped += len(set(g for g, k in zip(groups, keep.tolist()) if not k))
-        kept_scores.append(_subset(scores, keep.tolist()))
+        kept_scores.append(scores.subset([i for i, k in enumerate(keep.tolist()) if k]))
         kept += [(e, c, g) for e, c, g, k in zip(examples, completions, groups, keep.tolist()) if k]
         if not dynamic_sampling or rounds > max_rounds:
             break
         if world.sum([len({g for *_, g in kept})])[0] >= prompts_per_step:
             break
-    scores = _concat(kept_scores)
-    metrics = {"time/generate": t_gen, "time/score": t_score, **episode_metrics([k[1] for k in kept])}
+    scores = Scores.concat(kept_scores)
+    metrics = {"time/generate": t_gen, "time/score": t_score}
+    if driver is not None:  # every rank (a collective): the step's episodes, not this rank's share
+        metrics.update(episode_metrics([k[1] for k in kept], reduce=lambda counts: _summed(world, counts)))
     if dynamic_sampling:
         dropped, kept_groups, sampled_sum, sampled_n = world.sum(
             [dropped, len({g for *_, g in kept}), sum(sampled), len(sampled)])
@@ -93,22 +98,13 @@ def collect_rollout(engine: Engine, sampler: PromptSampler, prompts: list[Prompt
     return Rollout([k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept], scores, metrics)
 
 
+def _summed(world: World, counts: dict[str, float]) -> dict[str, float]:
+    acc = MetricAccumulator()
+    acc.add(counts)
+    return acc.reduce(world).sums()
+
+
 def _flat_groups(total: list[float | None], groups: list[int]) -> torch.Tensor:
     valid = torch.tensor([t is not None for t in total])
     scores = torch.tensor([t if t is not None else 0.0 for t in total], dtype=torch.float64)
     return zero_variance_groups(scores, torch.tensor(groups), valid)
-
-
-def _subset(scores: Scores, keep: list[bool]) -> Scores:
-    pick = [i for i, k in enumerate(keep) if k]
-    return Scores([scores.total[i] for i in pick], {k: [v[i] for i in pick] for k, v in scores.components.items()})
-
-
-def _concat(parts: list[Scores]) -> Scores:
-    total: list[Any] = []
-    comps: dict[str, list[Any]] = {}
-    for s in parts:
-        total += s.total
-        for k, v in s.components.items():
-            comps.setdefault(k, []).extend(v)
-    return Scores(total, comps)

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from rlft.algorithms import ADVANTAGE_ESTIMATORS, aggregate, clipped_value_loss, whiten
 from rlft.config import Config, CriticConfig, LoraConfig
-from rlft.models.forward import completion_logprobs, position_ids_for
+from rlft.models.forward import completion_logprobs, logits_run, position_ids_for, shared_layout
 from rlft.models.loading import apply_lora, resolve_dtype
 from rlft.models.precision import autocast_to
 from rlft.monitor.stats import MetricAccumulator
@@ -98,6 +98,8 @@ class _ValueTargets:
             for chunk in order.chunk(s.minibatches):
                 chunk = chunk.to(batch.input_ids.device)
                 chunk = chunk[mask[chunk].any(-1)]
+                if s.shared_prefix != "off":  # a group's rows in one micro-batch: one copy of their prompt
+                    chunk = chunk[batch.group_ids[chunk].argsort(stable=True)]
                 tokens = world.sum([float(mask[chunk].sum())])[0]
                 if tokens == 0:
                     continue
@@ -139,11 +141,21 @@ class SeparateCritic:
         self.scheduler = build_scheduler(self.optimizer, training, total_steps * s.epochs * s.minibatches)
 
     def _values(self, sub: RolloutBatch) -> Tensor:
+        """The value of token t from the state that generated it  # [n, t] (0 on padding when the
+        rows share prompts, else whatever the padded forward gives there: both are masked)."""
         t = sub.completion_len
         with autocast_to(sub.input_ids.device, self.compute_dtype):
-            out = self.model(input_ids=sub.input_ids, attention_mask=sub.attention_mask,
-                             position_ids=position_ids_for(sub.attention_mask))
-        return out.logits[:, -(t + 1):-1, 0].float()  # [n, t]
+            shared = shared_layout(self.model, self.model, logits_run(self.model), sub.input_ids, sub.attention_mask,
+                                   sub.input_ids.shape[1] - t, self.targets.settings.shared_prefix)
+            if shared is None:
+                out = self.model(input_ids=sub.input_ids, attention_mask=sub.attention_mask,
+                                 position_ids=position_ids_for(sub.attention_mask))
+                return out.logits[:, -(t + 1):-1, 0].float()
+            layout, mask = shared
+            logits = self.model(input_ids=layout.input_ids, attention_mask=mask,
+                                position_ids=layout.position_ids).logits  # [bins, L, 1]
+        index = layout.flat_index[:, -(t + 1):-1]  # [n, t]; -1 where the state is padding
+        return logits.reshape(-1)[index.clamp(min=0)].float().where(index >= 0, 0.0)
 
     @torch.no_grad()
     def values(self, batch: RolloutBatch, world: World) -> Tensor:
@@ -244,8 +256,9 @@ class SharedValueHead:
         return self
 
     def _hidden(self, sub: RolloutBatch) -> Tensor:
+        s = self.targets.settings
         _, _, hidden = completion_logprobs(self._policy_model, sub.input_ids, sub.attention_mask, sub.completion_len,
-                                           hidden=True, packing=self.targets.settings.packing)
+                                           hidden=True, packing=s.packing, shared_prefix=s.shared_prefix)
         return hidden  # [n, t, H]
 
     def _values(self, hidden: Tensor) -> Tensor:

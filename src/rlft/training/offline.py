@@ -53,7 +53,7 @@ def make_objective(config: Config) -> OfflineObjective:
         from rlft.training.sft_objective import SftObjective
 
         return SftObjective(config.data, config.eval, config.rewards, config.seed, config.scoring,
-                            packing=config.training.packing)
+                            packing=config.training.packing, agent=config.agent)
     if config.method == "dpo":
         from rlft.training.dpo_objective import DpoObjective
 

@@ -18,26 +18,29 @@ from typing import Any
 import torch
 from rich.markup import escape
 
-from rlft.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, make_kl_controller
+from rlft.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, make_kl_controller, reverse_kl_advantages
 from rlft.config import Config, DataConfig
 from rlft.data.mixing import TrainRows, read_train_rows
 from rlft.data.order import PromptSampler
 from rlft.data.prompts import PromptExample, make_prompt_encoder
 from rlft.data.readers import read_rows
 from rlft.data.validate import check_rows
-from rlft.errors import ConfigError, DataError, RewardError, TrainingHalted
+from rlft.errors import ConfigError, EnvironmentFailed, RewardError, TrainingHalted
 from rlft.eval.generation import evaluate_prompts
 from rlft.eval.suites import prepare_suites
 from rlft.models.loading import Reference, disable_dropout, load_policy, resolve_device
 from rlft.monitor.checks import infra_error_message
 from rlft.rewards.calls import ScoringInterrupted
 from rlft.monitor.stats import MetricAccumulator
-from rlft.rewards.scoring import RewardScorer, Scores
-from rlft.rollout import Engine, build_engine, rollout_dtype, rollout_engine, sampling_params, turn_driver
+from rlft.rewards.scoring import RewardScorer, Scores, build_scorer
+from rlft.rollout import (Engine, build_engine, check_prompts_with_tools, rollout_dtype, rollout_engine,
+                          sampling_params, turn_driver)
 from rlft.rollout.batch import RolloutBatch
+from rlft.rollout.contract import trained_segments
 from rlft.training.collect import Rollout
 from rlft.training.critic import Critic, build_critic
 from rlft.training.rl_update import UpdateSettings, policy_update, reference_logprobs, token_rewards
+from rlft.training.distill import Teacher, load_teacher
 from rlft.training.distributed import SINGLE, World, gather_rows, shard
 from rlft.training.rollout_source import (AsyncRollouts, RolloutMaker, SamplerFailed, SharedScorer, SyncRollouts,
                                           sampler_copy)
@@ -61,14 +64,16 @@ def run_online(config: Config, world: World = SINGLE) -> dict[str, Any]:
         policy = load_policy(config.model, config.lora, precision.weight_dtype)
         disable_dropout(policy.model)  # on-policy, pi / pi_old must be exactly 1 (see rl_update)
         reference = Reference(policy) if config.needs_reference else None  # the starting weights
-        if world.active:  # shard what trains (and a frozen reference copy) across the ranks
+        teacher = load_teacher(config, policy.tokenizer, precision.weight_dtype) if config.teacher else None
+        if world.active:  # shard what trains (and the frozen reference and teacher) across the ranks
             policy.make_mirror()
             shard(policy.model, world)
-            if reference is not None and reference.frozen_copy is not None:
-                shard(reference.frozen_copy, world)
+            for frozen in (reference, teacher):
+                if frozen is not None and frozen.frozen_copy is not None:
+                    shard(frozen.frozen_copy, world)
         session = session_for(config, run, policy, world, precision)
         try:
-            return _train(config, session, reference, sample_dtype)
+            return _train(config, session, reference, sample_dtype, teacher)
         finally:
             session.loggers.close()
 
@@ -79,6 +84,7 @@ class Online:
 
     rollouts: SyncRollouts | AsyncRollouts  # the steps' scored rollouts
     engine: Engine  # evaluations sample with it (with rollout.async_steps = 0 the rollouts too)
+    driver: Any  # evaluations' turn driver (agent episodes), on `engine`
     scorer: Any  # evaluations' rewards
     train_rows: TrainRows
     evals: list[PromptExample]
@@ -116,13 +122,14 @@ def build_online(config: Config, session: TrainingSession, sample_dtype: torch.d
         raise ConfigError(f"eval.correct_component {correct!r} (per-source accuracy) is not a reward component; "
                           f"choose one of {components}")
     engine, sample_engine, sampler_model = _engines(config, policy.unsharded(), sample_dtype)
-    driver = None
-    if config.agent is not None:
-        if world.active:  # untested: episodes per rank and their sampling streams across ranks
-            raise ConfigError("agent: multi-turn rollouts run in one process so far; launch without torchrun "
-                              "(or drop the agent section)")
-        driver = turn_driver(config.agent, sample_engine, policy.tokenizer)
-        _check_prompts_with_tools(driver, prompts, d.max_prompt_length)
+    driver = eval_driver = None
+    if config.agent is not None:  # each rank runs its share's episodes (collect_rollout)
+        driver = turn_driver(config.agent, sample_engine, policy.tokenizer, config.seed, d.max_prompt_length)
+        for examples in (prompts, evals, *(p.examples for p in suites)):
+            check_prompts_with_tools(driver, examples, d.max_prompt_length, config.agent.max_total_tokens)
+        # evaluations run their episodes on the loop's thread, so with its engine
+        eval_driver = driver if engine is sample_engine else \
+            turn_driver(config.agent, engine, policy.tokenizer, config.seed, d.max_prompt_length)
     kl_ctl = make_kl_controller(a.kl_coef, a.kl_target, a.kl_adapt_factor, a.kl_controller, a.kl_horizon)
     sampler = PromptSampler(len(train_rows), config.seed, d.shuffle, order=train_rows.order)
     update_gen = torch.Generator().manual_seed(config.seed)
@@ -138,7 +145,7 @@ def build_online(config: Config, session: TrainingSession, sample_dtype: torch.d
                        ("critic", critic), ("sft_mix", sft_mix)):
         if part is not None:  # batches sampled but not yet trained on survive only in an async run's queue
             session.register(name, _GeneratorState(part) if isinstance(part, torch.Generator) else part)
-    return Online(rollouts, engine, eval_scorer, train_rows, evals, suites, correct, kl_ctl, update_gen, settings,
+    return Online(rollouts, engine, eval_driver, eval_scorer, train_rows, evals, suites, correct, kl_ctl, update_gen, settings,
                   critic, sft_mix, total, list({id(e): e for e in (sample_engine, engine)}.values()))
 
 
@@ -147,10 +154,8 @@ def _scorer(config: Config, session: TrainingSession) -> RewardScorer:
     # a Ctrl-C may cut scoring short in one process; ranks stop together at a step's end instead,
     # and a sampler thread always finishes its batch (a checkpoint saves it)
     stop_early = not (session.world.active or config.rollout.async_steps)
-    return RewardScorer(config.rewards, sc.max_workers, timeout_s=sc.timeout_s,
-                        max_consecutive_timeouts=sc.max_consecutive_timeouts, on_error=sc.on_reward_error,
-                        should_stop=(lambda: session.stop_signal is not None) if stop_early else None, warn=None,
-                        max_abs_reward=sc.max_abs_reward)
+    return build_scorer(config.rewards, sc, should_stop=(lambda: session.stop_signal is not None) if stop_early
+                        else None, warn=None)
 
 
 def _rollout_source(k: int, maker: RolloutMaker, trainer_model: Any,
@@ -181,7 +186,7 @@ def _engines(config: Config, policy: Any, dtype: torch.dtype | None) -> tuple[En
 
 
 def _train(config: Config, session: TrainingSession, reference: Reference | None,
-           sample_dtype: torch.dtype | None = None) -> dict[str, Any]:
+           sample_dtype: torch.dtype | None = None, teacher: Teacher | None = None) -> dict[str, Any]:
     a, world = config.algorithm, session.world
     o = build_online(config, session, sample_dtype)
     rollouts, critic = o.rollouts, o.critic
@@ -199,11 +204,12 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
             except ScoringInterrupted:  # Ctrl-C while rewards ran: finish() saves the last completed step
                 rollouts.restore()
                 break
-            except (RewardError, SamplerFailed) as exc:
+            except (RewardError, EnvironmentFailed, SamplerFailed) as exc:
                 _halt(session, rollouts, str(exc))
             rollout.metrics.update(world_sums(world, _scoring_report(session, rollout.scoring_report)))
             _check_infra(session, rollout, config.scoring.max_infra_error_rate, rollouts)
-            metrics = online_step(session, rollout, reference, o.kl_ctl, o.settings, o.update_gen, critic, o.sft_mix)
+            metrics = online_step(session, rollout, reference, o.kl_ctl, o.settings, o.update_gen, critic, o.sft_mix,
+                                  teacher)
             session.sync_mirror()  # a distributed run's whole copy, which the engine samples from
             rollouts.trained()  # the engine (or the sampler thread) takes the new weights
             if metrics is None:  # every update was skipped (non-finite): draw a new batch
@@ -217,10 +223,11 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
             metrics["tokens_per_s"] = metrics["completion/tokens"] / metrics["time/step"]
             failed = None
             if o.evals and session.eval_due():
-                eval_metrics, failed = _evaluate(session, o.engine, o.evals, config, o.scorer)
+                eval_metrics, failed = _evaluate(session, o.engine, o.evals, config, o.scorer, o.driver)
                 metrics.update(eval_metrics)
             if o.suites and failed is None:
-                suite_metrics, failed = session.evaluate_suites(o.engine, o.suites, config.seed, metrics["reward/mean"])
+                suite_metrics, failed = session.evaluate_suites(o.engine, o.suites, config.seed, metrics["reward/mean"],
+                                                                o.driver)
                 metrics.update(suite_metrics)
                 eval_metrics.update(suite_metrics)
             _log_samples(session, rollout, config.logging.num_samples, config.logging.sample_every)
@@ -250,7 +257,7 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
 
 def online_step(session: TrainingSession, rollout: Rollout, reference: Reference | None, kl_ctl: Any,
                 s: UpdateSettings, generator: torch.Generator, critic: Critic | None = None,
-                sft_mix: Any = None) -> dict[str, float] | None:
+                sft_mix: Any = None, teacher: Teacher | None = None) -> dict[str, float] | None:
     """Advantages and policy updates for one scored rollout; returns the step's metrics. In a
     distributed run `rollout` is this rank's share; metrics and advantages are the global batch's."""
     world = session.world
@@ -267,7 +274,8 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
     ref_lp = kl_tok = None
     if reference is not None:
         with session.autocast():
-            ref_lp = reference_logprobs(reference, batch, s.temperature, s.micro_batch_size, world, s.packing)
+            ref_lp = reference_logprobs(reference, batch, s.temperature, s.micro_batch_size, world, s.packing,
+                                        s.shared_prefix)
         kl_tok = KL_ESTIMATORS[s.kl_estimator](batch.sampling_logprobs, ref_lp)  # [N, T]
         kl_sum, tokens = world.sum([float((kl_tok * batch.completion_mask).sum()), float(batch.completion_mask.sum())])
         metrics["kl"] = kl_sum / max(tokens, 1.0)
@@ -282,13 +290,16 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
     global_rows, (first, stop) = gather_rows(world, rewards_tok, batch.completion_mask, batch.group_ids, valid,
                                              *(() if values is None else (values,)))
     rewards_g, mask_g, groups_g, valid_g = global_rows[:4]
-    if critic is None:
-        advantages_g, adv_metrics = ADVANTAGE_ESTIMATORS[s.advantage](
-            rewards_g, mask_g.bool(), groups_g, valid_g.bool(), std_floor=s.std_floor, gamma=s.gamma, lam=s.lam)
+    if teacher is not None:  # on-policy distillation: each token's own signal, from the teacher
+        advantages, adv_metrics = _distillation_advantages(session, teacher, batch, s)
     else:
-        advantages_g, adv_metrics = critic.targets.gae_advantages(global_rows[4], mask_g.bool(), groups_g, rewards_g,
-                                                                  valid_g.bool(), (first, stop))
-    advantages = advantages_g[first:stop, : batch.completion_len]
+        if critic is None:
+            advantages_g, adv_metrics = ADVANTAGE_ESTIMATORS[s.advantage](
+                rewards_g, mask_g.bool(), groups_g, valid_g.bool(), std_floor=s.std_floor, gamma=s.gamma, lam=s.lam)
+        else:
+            advantages_g, adv_metrics = critic.targets.gae_advantages(
+                global_rows[4], mask_g.bool(), groups_g, rewards_g, valid_g.bool(), (first, stop))
+        advantages = advantages_g[first:stop, : batch.completion_len]
     metrics.update(adv_metrics)
 
     # mu epochs x minibatches of clipped policy-gradient steps (the critic learns alongside)
@@ -309,15 +320,17 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
     return metrics
 
 
-def _check_prompts_with_tools(driver: Any, prompts: list[PromptExample], limit: int) -> None:
-    """The tool descriptions lengthen every prompt: check them against data.max_prompt_length as
-    the episodes will see them, before the first step."""
-    for e in prompts:
-        n = len(driver.encoder.prompt_ids(e.messages))
-        if n > limit:
-            raise DataError(f"{e.where}: with the agent's tool descriptions the prompt is {n} tokens, longer than "
-                            f"data.max_prompt_length ({limit}); raise data.max_prompt_length or shorten the "
-                            "tools' docstrings")
+def _distillation_advantages(session: TrainingSession, teacher: Teacher, batch: RolloutBatch,
+                             s: UpdateSettings) -> tuple[torch.Tensor, dict[str, float]]:
+    """The teacher's log-probs on the sampled tokens, minus the student's sampling log-probs; the
+    reverse KL metric is the global batch's mean per token."""
+    world = session.world
+    with session.autocast():
+        teacher_lp = reference_logprobs(teacher, batch, s.temperature, s.micro_batch_size, world, s.packing,
+                                        s.shared_prefix)
+    advantages, _ = reverse_kl_advantages(batch.sampling_logprobs, teacher_lp, batch.completion_mask)  # [N, T]
+    kl_sum, tokens = world.sum([float(-advantages.sum()), float(batch.completion_mask.sum())])
+    return advantages, {"distill/reverse_kl": kl_sum / max(tokens, 1.0)}
 
 
 def _rollout_metrics(session: TrainingSession, rollout: Rollout, beta: float) -> dict[str, float]:
@@ -326,8 +339,7 @@ def _rollout_metrics(session: TrainingSession, rollout: Rollout, beta: float) ->
     local = (rollout.scores, [len(c.completion_ids) for c in rollout.completions],
              [c.finish_reason for c in rollout.completions])
     parts = world.gather(local)
-    scores = Scores([t for p in parts for t in p[0].total],
-                    {k: [v for p in parts for v in p[0].components.get(k, [])] for k in rollout.scores.components})
+    scores = Scores.concat([p[0] for p in parts])
     lengths = [n for p in parts for n in p[1]]
     finishes = [f for p in parts for f in p[2]]
     metrics: dict[str, float] = {**scores.metrics(), **rollout.metrics}
@@ -383,18 +395,20 @@ def _scoring_report(session: TrainingSession, report: tuple[dict[str, float], li
 
 
 def _evaluate(session: TrainingSession, engine: Any, evals: list[PromptExample], config: Config,
-              scorer: RewardScorer) -> tuple[dict[str, float], str | None]:
-    """Held-out metrics after a step, and why they failed, if they did. A Ctrl-C during the eval's
-    scoring ends it without metrics (the loop then stops, the step is kept)."""
-    metrics, failed = evaluation(lambda: evaluate_prompts(engine, evals, config.eval, scorer, seed=config.seed).metrics)
+              scorer: RewardScorer, driver: Any = None) -> tuple[dict[str, float], str | None]:
+    """Held-out metrics after a step (of episodes, with a turn `driver`), and why they failed, if
+    they did. A Ctrl-C during the eval's scoring ends it without metrics (the loop then stops, the
+    step is kept)."""
+    metrics, failed = evaluation(lambda: evaluate_prompts(engine, evals, config.eval, scorer, seed=config.seed,
+                                                          driver=driver).metrics)
     if failed is None:
         _scoring_report(session, scorer.take_report(), prefix="eval: ")
     return metrics, failed
 
 
 def _halt(session: TrainingSession, step_start: Any, message: str) -> None:
-    """Stop the run on a reward failure, saving the last completed step (its state as it was when
-    that step ended: the abandoned step's rollout is undone first)."""
+    """Stop the run on a reward, environment or sampler failure, saving the last completed step
+    (its state as it was when that step ended: the abandoned step's rollout is undone first)."""
     if step_start is not None:
         step_start.restore()
     path = session.save_checkpoint() if session.step > 0 else None
@@ -412,10 +426,16 @@ def _log_samples(session: TrainingSession, rollout: Rollout, num_samples: int, e
         records.append({"step": session.step, "where": e.where, "prompt": e.prompt_text, "completion": c.text,
                         "reward": rollout.rewards[i], "finish_reason": c.finish_reason,
                         "components": {k: v[i] for k, v in rollout.scores.components.items()}})
+        if rollout.scores.info:  # notes of rewards (a judge's reply, an ensemble's members)
+            records[-1]["info"] = rollout.scores.sample_info(i)
         episode = getattr(c, "episode", None)
         if episode is not None:  # a multi-turn episode: its assistant and tool turns, in order
-            records[-1].update(transcript=episode.messages[len(e.messages):], turns=episode.turns,
-                               tool_calls=episode.tool_calls)
+            transcript = episode.messages[len(e.messages):]
+            records[-1].update(transcript=transcript, turns=episode.turns, tool_calls=episode.tool_calls,
+                               segments=trained_segments(c, session.policy.tokenizer.decode, transcript))
+        if episode is not None and episode.env_rewards is not None:  # the prompt may be its first observation
+            records[-1].update(prompt=episode.messages[len(e.messages) - 1]["content"], env_rewards=episode.env_rewards,
+                               env_done=episode.env_done, env_final=episode.env_final)
     session.log_samples(records)
     if records:
         r = records[0]

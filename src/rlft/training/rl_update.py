@@ -52,20 +52,23 @@ class UpdateSettings:
     minibatches: int
     micro_batch_size: int | None
     mask_truncated: bool
+    policy_loss: str = "clipped"  # a name in algorithms.POLICY_LOSSES
     rollout_correction: str = "none"
     tis_cap: float = 2.0
     packing: bool = False  # padding-free policy/reference forwards (same numbers as padded)
+    shared_prefix: str = "off"  # 'auto' | 'on' | 'off': a group's prompt computed once (same numbers)
 
     @classmethod
     def from_config(cls, config: Config) -> "UpdateSettings":
         a = config.algorithm
         return cls(temperature=config.rollout.temperature, advantage=a.advantage, std_floor=a.std_floor,
-                   gamma=a.gamma, lam=a.lam, kl_in_reward=a.kl_in == "reward", clip_low=a.clip_low, clip_high=a.clip_high,
+                   gamma=a.gamma, lam=a.lam, kl_in_reward=a.kl_in == "reward",
+                   policy_loss=a.policy_loss, clip_low=a.clip_low, clip_high=a.clip_high,
                    dual_clip=a.dual_clip, kl_estimator=a.kl_estimator, kl_in_loss=a.kl_in == "loss",
                    entropy_coef=a.entropy_coef, loss_agg=a.loss_agg, loss_constant=a.loss_constant,
                    epochs=a.epochs, minibatches=a.minibatches, micro_batch_size=a.micro_batch_size,
                    mask_truncated=a.mask_truncated, rollout_correction=a.rollout_correction, tis_cap=a.tis_cap,
-                   packing=config.training.packing)
+                   packing=config.training.packing, shared_prefix=config.training.shared_prefix)
 
     @property
     def single_pass(self) -> bool:
@@ -134,22 +137,22 @@ def lockstep_chunks(world: World, n_rows: int, size: int | None) -> list[Tensor 
 
 @torch.no_grad()
 def batch_logprobs(model: Any, batch: RolloutBatch, temperature: float, micro: int | None,
-                   world: World = SINGLE, packing: bool = False) -> Tensor:
+                   world: World = SINGLE, packing: bool = False, shared_prefix: str = "off") -> Tensor:
     """Log-probs of every completion token under `model`, in micro-batches, no gradient  # [N, T]"""
     out = torch.zeros_like(batch.sampling_logprobs)
     for rows in lockstep_chunks(world, batch.size, micro):
         sub = batch.select(rows if rows is not None else torch.arange(1))
         lp, _ = completion_logprobs(model, sub.input_ids, sub.attention_mask, sub.completion_len, temperature,
-                                    packing=packing)
+                                    packing=packing, shared_prefix=shared_prefix)
         if rows is not None:
             out[rows.to(out.device), : sub.completion_len] = lp
     return out
 
 
 def reference_logprobs(reference: Reference, batch: RolloutBatch, temperature: float, micro: int | None,
-                       world: World = SINGLE, packing: bool = False) -> Tensor:
+                       world: World = SINGLE, packing: bool = False, shared_prefix: str = "off") -> Tensor:
     with reference.model() as ref_model:
-        return batch_logprobs(ref_model, batch, temperature, micro, world, packing)
+        return batch_logprobs(ref_model, batch, temperature, micro, world, packing, shared_prefix)
 
 
 def engine_mismatch(trainer_lp: Tensor, engine_lp: Tensor, mask: Tensor) -> dict[str, float]:
@@ -184,7 +187,8 @@ def policy_update(trainer: Trainer, batch: RolloutBatch, advantages: Tensor, ref
     old_logprobs = batch.sampling_logprobs if bypass else None
     if not bypass and not s.single_pass and world.any(bool(carries_signal.any())):
         with trainer.autocast():
-            old_logprobs = batch_logprobs(model, batch, s.temperature, s.micro_batch_size, world, s.packing)
+            old_logprobs = batch_logprobs(model, batch, s.temperature, s.micro_batch_size, world, s.packing,
+                                          s.shared_prefix)
         stats.add(engine_mismatch(old_logprobs, batch.sampling_logprobs, loss_mask))
     applied_steps, stepped = 0, False
     for _ in range(s.epochs):
@@ -198,7 +202,7 @@ def policy_update(trainer: Trainer, batch: RolloutBatch, advantages: Tensor, ref
             if aux is None and not world.any(rows.numel() > 0):  # no rank has a row that moves the loss
                 stats.add({"update/skipped_no_signal": 1.0})
                 continue
-            micro = _micro_batches(batch, rows, s.micro_batch_size) if rows.numel() else []
+            micro = _micro_batches(batch, rows, s.micro_batch_size, s.shared_prefix != "off") if rows.numel() else []
             loss_value = 0.0
             for i in range(int(world.max([len(micro)])[0])):
                 real = i < len(micro)
@@ -242,15 +246,15 @@ def _micro_loss(model: Any, sub: RolloutBatch, rows: Tensor, mask: Tensor, advan
     want_hidden = extra is not None and extra.needs_hidden
     out = completion_logprobs(model, sub.input_ids, sub.attention_mask, t, s.temperature,
                               entropy="grad" if s.entropy_coef > 0 else "metric", hidden=want_hidden,
-                              packing=s.packing)
+                              packing=s.packing, shared_prefix=s.shared_prefix)
     logprobs, entropy = out[0], out[1]  # [n, t]
     metrics: dict[str, float] = {}
     if old is None:  # single pass: this forward is pi_old
         old = logprobs.detach()
     if measure_engine:
         metrics.update(engine_mismatch(logprobs.detach(), sub.sampling_logprobs, mask))
-    per_token, m = POLICY_LOSSES["clipped"](logprobs, old, advantages[rows, :t], mask,
-                                            clip_low=s.clip_low, clip_high=s.clip_high, dual_clip=s.dual_clip)
+    per_token, m = POLICY_LOSSES[s.policy_loss](logprobs, old, advantages[rows, :t], mask,
+                                                clip_low=s.clip_low, clip_high=s.clip_high, dual_clip=s.dual_clip)
     metrics.update(m)
     if s.rollout_correction == "tis":
         weights, tm = truncated_importance_weights(old, sub.sampling_logprobs, mask, s.tis_cap)
@@ -269,10 +273,18 @@ def _micro_loss(model: Any, sub: RolloutBatch, rows: Tensor, mask: Tensor, advan
     return loss, metrics
 
 
-def _micro_batches(batch: RolloutBatch, rows: Tensor, size: int | None) -> list[Tensor]:
-    """Rows sorted by length, so each micro-batch carries little padding."""
+def _micro_batches(batch: RolloutBatch, rows: Tensor, size: int | None, by_group: bool = False) -> list[Tensor]:
+    """Rows sorted by length, so each micro-batch carries little padding; with `by_group`, by
+    group first, so a group's rows share a micro-batch (and one copy of their prompt)."""
     if size is None or rows.numel() <= size:
         return [rows]
+    return list(rows[rows_in_order(batch, rows, by_group)].split(size))
+
+
+def rows_in_order(batch: RolloutBatch, rows: Tensor, by_group: bool) -> Tensor:
+    """The order of `rows` for micro-batching: by length, or by (group, length)  # [n]"""
     lengths = batch.attention_mask[rows].sum(-1)
-    rows = rows[lengths.argsort(stable=True)]
-    return list(rows.split(size))
+    order = lengths.argsort(stable=True)
+    if by_group:
+        order = order[batch.group_ids[rows][order].argsort(stable=True)]
+    return order

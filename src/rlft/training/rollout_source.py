@@ -34,7 +34,7 @@ import torch
 
 from rlft.data.order import PromptSampler
 from rlft.data.prompts import PromptExample
-from rlft.errors import RewardError, RlftError
+from rlft.errors import EnvironmentFailed, RewardError, RlftError
 from rlft.rewards.scoring import RewardScorer
 from rlft.rollout.contract import Completion, Engine, SamplingParams
 from rlft.training import checkpoint as ckpt
@@ -256,7 +256,7 @@ class AsyncRollouts:
 
     def _failure_error(self) -> BaseException:
         batch, exc = self._failure
-        if isinstance(exc, RewardError):
+        if isinstance(exc, (RewardError, EnvironmentFailed)):  # the loop names these as a synchronous run does
             return exc
         return SamplerFailed(f"the rollout sampler failed while making batch {batch + 1}: "
                              f"{type(exc).__name__}: {exc}")

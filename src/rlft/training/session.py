@@ -451,11 +451,11 @@ class TrainingSession:
         self.last_metrics.update(metrics)
         self._watch(record)
 
-    def evaluate_suites(self, engine: Any, suites: list[Any], seed: int,
-                        train_reward: float | None = None) -> tuple[dict[str, float], str | None]:
+    def evaluate_suites(self, engine: Any, suites: list[Any], seed: int, train_reward: float | None = None,
+                        driver: Any = None) -> tuple[dict[str, float], str | None]:
         """The eval suites (eval.suites, prepared by eval/suites.py) due after this step: their
         metrics (eval/<suite>/...) and why they failed, if they did; their completions go to
-        samples.jsonl (`suite` names the suite)."""
+        samples.jsonl (`suite` names the suite). `driver`: episodes instead of single turns."""
         from rlft.eval.suites import run_suites
 
         every = self.training.eval_every
@@ -466,7 +466,8 @@ class TrainingSession:
 
         def run() -> dict[str, float]:
             with self.autocast():  # run_suites runs the suites due at this step
-                metrics, records = run_suites(engine, suites, self.step, self.total_steps, seed, train_reward, every)
+                metrics, records = run_suites(engine, suites, self.step, self.total_steps, seed, train_reward, every,
+                                              driver)
             ran.update(records)
             return metrics
 

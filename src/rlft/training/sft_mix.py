@@ -56,7 +56,14 @@ def build_sft_mix(config: Config, tokenizer: Any, world: World = SINGLE) -> SftM
     a, d = config.algorithm, config.data
     if not a.sft_mix:
         return None
-    encode = make_sft_encoder(tokenizer, end_of_turn_ids(tokenizer), d.max_length, d.max_prompt_length)
+    # with tools, the SFT rows are shown the tools and written in the call syntax the episodes use
+    transcripts = None
+    if config.agent is not None:
+        from rlft.rollout import tool_transcripts
+
+        transcripts = tool_transcripts(config.agent, tokenizer)
+    encode = make_sft_encoder(tokenizer, end_of_turn_ids(tokenizer), d.max_length, d.max_prompt_length,
+                              transcripts=transcripts)
     examples = check_rows(read_rows(a.sft_mix, d.split, d.max_row_bytes), encode, a.sft_mix,
                           "algorithm.sft_mix SFT", d.on_invalid)
     return SftMix(examples, a.sft_mix_coef, a.sft_mix_batch_size, config.seed, tokenizer.pad_token_id, world,

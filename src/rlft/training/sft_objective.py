@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from rlft.config import DataConfig, EvalConfig, RewardSpec, ScoringConfig
+from rlft.config import AgentConfig, DataConfig, EvalConfig, RewardSpec, ScoringConfig
 from rlft.data.mixing import TrainRows, read_train_rows
-from rlft.data.prompts import prompt_example
+from rlft.data.prompts import PromptExample, prompt_example
 from rlft.data.readers import read_rows
 from rlft.data.sft_examples import SftExample, collate_sft, make_sft_encoder
 from rlft.data.validate import check_rows
@@ -18,8 +18,8 @@ from rlft.eval.generation import evaluate_prompts
 from rlft.models.forward import sft_token_nll
 from rlft.models.loading import LoadedModel
 from rlft.models.template import end_of_turn_ids
-from rlft.rewards.scoring import RewardScorer
-from rlft.rollout import build_engine
+from rlft.rewards.scoring import build_scorer
+from rlft.rollout import build_engine, tool_transcripts
 
 
 class SftObjective:
@@ -27,28 +27,26 @@ class SftObjective:
     progress_keys = ["loss", "lr", "grad_norm", "eval/loss", "eval/format_compliance", "eval/accuracy"]
 
     def __init__(self, data: DataConfig, evaluation: EvalConfig, rewards: list[RewardSpec], seed: int = 0,
-                 scoring: ScoringConfig | None = None, packing: bool = False):
-        """`packing`: padding-free forwards for the loss (same numbers)."""
-        self.data, self.evaluation, self.seed, self.packing = data, evaluation, seed, packing
+                 scoring: ScoringConfig | None = None, packing: bool = False, agent: AgentConfig | None = None):
+        """`packing`: padding-free forwards for the loss (same numbers). `agent`: rows are tool-use
+        transcripts, encoded with its tools and call syntax as rollouts will see them."""
+        self.data, self.evaluation, self.seed, self.packing, self.agent = data, evaluation, seed, packing, agent
         # eval accuracy needs rewards; built here so a bad reward spec fails before training
-        sc = scoring or ScoringConfig()
-        self.scorer = RewardScorer(rewards, sc.max_workers, timeout_s=sc.timeout_s,
-                                   max_consecutive_timeouts=sc.max_consecutive_timeouts,
-                                   on_error=sc.on_reward_error,
-                                   max_abs_reward=sc.max_abs_reward) if rewards else None
+        self.scorer = build_scorer(rewards, scoring) if rewards else None
         self.pad_id = 0
 
     def prepare(self, policy: LoadedModel) -> tuple[TrainRows, list[SftExample], dict[str, Any]]:
         d, tok = self.data, policy.tokenizer
         self.pad_id = tok.pad_token_id
         end_ids = end_of_turn_ids(tok)
-        encode = make_sft_encoder(tok, end_ids, d.max_length, d.max_prompt_length)
+        transcripts = tool_transcripts(self.agent, tok) if self.agent else None
+        encode = make_sft_encoder(tok, end_ids, d.max_length, d.max_prompt_length, transcripts=transcripts)
         train = read_train_rows(d, self.seed, lambda path: check_rows(read_rows(path, d.split, d.max_row_bytes), encode,
                                                                       path, "SFT", d.on_invalid))
         evals: list[SftExample] = []
         if d.eval:  # eval rows are scored by the rewards: they need the fields those read
             needs = self.scorer.required_fields if self.scorer else ()
-            encode_eval = make_sft_encoder(tok, end_ids, d.max_length, d.max_prompt_length, needs)
+            encode_eval = make_sft_encoder(tok, end_ids, d.max_length, d.max_prompt_length, needs, transcripts)
             evals = check_rows(read_rows(d.eval, d.eval_split or d.split, d.max_row_bytes), encode_eval, d.eval, "SFT eval",
                                d.on_invalid)
         return train, evals, {}
@@ -77,7 +75,10 @@ class SftObjective:
             count += self.normaliser(chunk)
         metrics = {"eval/loss": total / count, "eval/perplexity": math.exp(min(total / count, 50.0))}
         engine = build_engine(policy.unsharded(), self.seed, batch_size=self.evaluation.batch_size)
-        prompts = [prompt_example(policy.tokenizer, e.where, e.prompt_messages, e.fields) for e in examples]
+        prompts = [prompt_example(policy.tokenizer, e.where, e.prompt_messages, e.fields) if e.prompt_ids is None
+                   else PromptExample(e.where, e.prompt_messages, e.prompt_ids, e.fields,
+                                      policy.tokenizer.decode(e.prompt_ids))
+                   for e in examples]
         result = evaluate_prompts(engine, prompts, self.evaluation, self.scorer, seed=self.seed)
         metrics.update(result.metrics)
         return metrics
