@@ -139,7 +139,7 @@ def test_pacing_gives_every_batch_its_exact_version_whatever_the_timing():
 
         def make(self, version):
             time.sleep(self.rng.uniform(0, 0.004))
-            return type("R", (), {"completions": [], "metrics": {}, "seen": float(self.model.w), "version": version})()
+            return type("R", (), {"completions": [], "metrics": {}, "seen": float(self.model.w.detach()), "version": version})()
 
         def parts(self):
             return {}
