@@ -74,6 +74,22 @@ def test_kv_cache_and_phases(qwen7b):
     assert by_name(half)["rollout KV cache"] == by_name(plan)["rollout KV cache"] // 2
 
 
+def test_async_rollouts_hold_the_sampler_while_training(qwen7b):
+    """rollout.async_steps samples while the trainer updates: the update phase also holds the KV
+    cache and the sampler's working set, plus the sampler's own copy of the policy (bf16 here:
+    2 B x 7.62B); on CPU also k + 1 published versions of the weights."""
+    s = PlanInput(method="online", micro_batch_size=4, batch_size=32, seq_len=1536, completion_len=1024,
+                  group_size=8, prompts_per_step=4, reference=True)
+    sync, k2 = plan_memory(qwen7b, s), plan_memory(qwen7b, PlanInput(**{**s.__dict__, "async_steps": 2}))
+    copy = by_name(k2)["sampler's copy of the policy"]
+    assert copy == 2 * 7_615_616_512
+    sampling = sum(c.bytes for c in sync.components if c.phases == ("rollout",))
+    assert k2.phases["update"] == sync.phases["update"] + copy + sampling
+    assert "rollout" not in k2.phases and "host memory" in " ".join(k2.assumptions)  # GPU: versions in host memory
+    cpu = plan_memory(qwen7b, PlanInput(**{**s.__dict__, "async_steps": 2, "device_type": "cpu"}))
+    assert by_name(cpu)["3 published weight versions"] == 3 * 2 * 7_615_616_512
+
+
 def test_layer_activations_hand_computed():
     tiny = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=4, vocab_size=512, model_type="qwen2")

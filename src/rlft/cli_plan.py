@@ -59,7 +59,7 @@ def plan_input_from_config(config: Config, world_size: int = 1, local_device: An
                          completion_len=r.max_new_tokens, group_size=r.group_size, prompts_per_step=r.prompts_per_step,
                          rollout_batch_size=r.batch_size, reference=a.kl_coef > 0 or a.kl_target is not None,
                          critic=config.critic.kind, engine=r.engine, fast_decode=r.fast_decode,
-                         shared_prefix=t.shared_prefix)
+                         shared_prefix=t.shared_prefix, async_steps=r.async_steps)
     micro = t.micro_batch_size or t.batch_size
     if lengths is not None:
         seq_len, targets = lengths.sequence, max(1, min(lengths.targets, lengths.sequence))

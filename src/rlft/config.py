@@ -229,6 +229,11 @@ class RolloutConfig(Section):
     fast_decode: bool = Field(
         True, description="hf engine: lean decode step for Llama/Qwen2/Mistral (falls back to the model's forward).")
     vllm: VllmSettings = Field(default_factory=VllmSettings, description="rollout.engine=vllm settings.")
+    async_steps: int = Field(
+        0, ge=0, description="k: a sampler thread generates the next batches while the trainer trains, at most k "
+                             "optimizer steps behind (batch j samples from the weights after exactly max(0, j-k) "
+                             "steps, so a run does not depend on timing); 0: generate, then train, in turn. k > 0 "
+                             "needs algorithm.rollout_correction (tis or bypass).")
 
     @model_validator(mode="after")
     def _vllm_sampling(self) -> "RolloutConfig":
@@ -299,9 +304,11 @@ class AlgorithmConfig(Section):
     mask_truncated: bool | None = Field(None, description="Exclude completions that hit max_new_tokens from the loss.")
     gamma: float | None = Field(None, ge=0, le=1, description="Discount for token-level returns (GAE / REINFORCE++).")
     lam: float | None = Field(None, ge=0, le=1, description="GAE lambda.")
-    rollout_correction: Literal["none", "tis"] | None = Field(
-        None, description="Correct for engine/trainer log-prob mismatch: 'tis' weights each token's loss by "
-                          "min(pi_trainer / pi_engine, tis_cap) (truncated importance sampling).")
+    rollout_correction: Literal["none", "tis", "bypass"] | None = Field(
+        None, description="Correct for engine/trainer log-prob mismatch (and, with rollout.async_steps, staleness): "
+                          "'tis' weights each token's loss by min(pi_trainer / pi_engine, tis_cap) (truncated "
+                          "importance sampling); 'bypass' clips the ratio against the engine's log-probs (pi_old = "
+                          "the sampler's policy).")
     tis_cap: float | None = Field(None, ge=1, description="Upper bound of the truncated importance weight.")
     sft_mix: str | None = Field(
         None, description="SFT rows (as data.train of an sft run) whose NLL joins the policy loss: the 'ptx' "
@@ -781,6 +788,7 @@ class Config(Section):
                 check_vllm_sampling(self.eval.temperature, 1.0, 0, "eval")
                 for suite in self.eval.suites:
                     check_vllm_sampling(suite.sampling.temperature, 1.0, 0, f"eval.suites[{suite.name}].sampling")
+            _check_async(self)
             if a.loss_agg == "constant" and a.loss_constant is None:  # Dr. GRPO: the longest possible completion
                 longest = self.agent.max_total_tokens if self.agent else self.rollout.max_new_tokens
                 self.algorithm.loss_constant = longest
@@ -810,6 +818,25 @@ class Config(Section):
         if self.method == "dpo":
             return True
         return self.is_online and bool(self.algorithm.kl_coef)
+
+
+def _check_async(config: Config) -> None:
+    """What rollout.async_steps > 0 cannot be combined with, each with its reason."""
+    k, a = config.rollout.async_steps, config.algorithm
+    if not k:
+        return
+    if a.rollout_correction not in ("tis", "bypass"):
+        raise ValueError(f"rollout.async_steps={k}: batches are sampled by weights up to {k} optimizer steps old, so "
+                         "the loss must correct for it: set algorithm.rollout_correction to tis (truncated importance "
+                         "weights) or bypass (the sampler's log-probs as pi_old)")
+    if a.dynamic_sampling:
+        raise ValueError(f"rollout.async_steps={k} with algorithm.dynamic_sampling (the {config.method} preset "
+                         "turns it on): refilling dropped groups is not paced by policy version yet; set "
+                         "algorithm.dynamic_sampling=false or rollout.async_steps=0")
+    if config.model.quantization != "none":
+        raise ValueError(f"rollout.async_steps={k} with model.quantization={config.model.quantization}: the sampler "
+                         "samples from its own copy of the policy, which 4-bit weights cannot be copied into; set "
+                         "rollout.async_steps=0")
 
 
 DEVICE_NAMES = ("auto", "cpu", "cuda", "cuda:N")

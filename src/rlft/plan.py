@@ -158,6 +158,7 @@ class PlanInput:
     world_size: int = 1  # FSDP-style sharding of weights, gradients and optimizer states
     engine: Literal["hf", "vllm"] = "hf"
     fast_decode: bool = True  # hf engine: fused copies of the projection weights while sampling
+    async_steps: int = 0  # rollout.async_steps: a sampler thread with its own copy, sampling while training
     device_type: Literal["cuda", "cpu"] = "cuda"  # kernels: fused dropout and foreach AdamW on cuda
     shared_prefix: Literal["auto", "on", "off"] = "off"  # online: training.shared_prefix
 
@@ -477,14 +478,18 @@ def _critic(m: ModelShape, s: PlanInput, out: list[Component], policy_acts: int)
 
 
 def _rollout(m: ModelShape, s: PlanInput, out: list[Component], notes: list[str]) -> None:
-    """Sampling with the hf engine (KV cache in the trainer's memory) or vLLM (its own budget)."""
+    """Sampling with the hf engine (KV cache in the trainer's memory) or vLLM (its own budget).
+    Asynchronous rollouts sample while the trainer updates: what sampling holds is held in every
+    phase, and the sampler has its own copy of the policy (and the trainer's published versions)."""
+    if s.async_steps:
+        _async_sampler(m, s, out, notes)
     n, b = s.world_size, s.act_bytes
     rows = math.ceil(s.group_size * s.prompts_per_step / n)
     gen_rows = min(s.rollout_batch_size or rows, rows)
     prompt_len = s.seq_len - s.completion_len
     kv_per_token = 2 * m.layers * m.kv_heads * m.head_dim * b
     kv = kv_per_token * s.seq_len * gen_rows
-    phase = ("rollout",) if s.engine == "hf" else ("static",)
+    phase = ("rollout",) if s.engine == "hf" and not s.async_steps else ("static",)
     where = "in the trainer's memory" if s.engine == "hf" else "vLLM's own KV budget (set gpu_memory_utilization)"
     out.append(Component("rollout KV cache", kv, phase,
                          f"2 x {m.layers} layers x {m.kv_heads} kv heads x {m.head_dim} x {s.seq_len} tokens x "
@@ -497,22 +502,40 @@ def _rollout(m: ModelShape, s: PlanInput, out: list[Component], notes: list[str]
     # The prefill's cache stays referenced while the lean decoder copies it into preallocated buffers;
     # dropping finished rows copies the key buffers (then the value buffers) once more.
     out.append(Component("hf engine cache copies", kv_per_token * gen_rows * (2 * prompt_len + s.seq_len) // 2,
-                         ("rollout",), "prefill cache kept while decoding + keys copied when rows finish"))
+                         phase, "prefill cache kept while decoding + keys copied when rows finish"))
     if s.fast_decode and s.quantization == "none":  # a 4-bit model samples through its own forward
         linear = {k: a * c for k, (a, c) in m.linear_shapes().items()}
         fused = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
         copied = sum(linear.values()) if s.lora else sum(linear[k] for k in fused)
-        out.append(Component("fast-decode fused weights", m.layers * copied * DTYPE_BYTES[s.param_dtype], ("rollout",),
+        out.append(Component("fast-decode fused weights", m.layers * copied * DTYPE_BYTES[s.param_dtype], phase,
                              "q|k|v and gate|up concatenated" + (", LoRA merged into every linear" if s.lora else "")))
     # one prefill per distinct prompt: a batch of rows in prompt order spans ceil(rows / G) prompts,
     # one more when it starts inside a group
     prompts = min(gen_rows, math.ceil(gen_rows / s.group_size) + (1 if gen_rows % s.group_size else 0))
     prefill = prompts * prompt_len * (4 * m.hidden + 3 * m.intermediate) * b + 5 * gen_rows * m.vocab * 4
-    out.append(Component("prefill + sampling working set", prefill, ("rollout",),
+    out.append(Component("prefill + sampling working set", prefill, phase,
                          f"one layer at a time, {prompts} prompts; [rows, V] probs"))
     if n > 1:
         out.append(Component("gathered weights for sampling", m.params() * DTYPE_BYTES[s.param_dtype], ("rollout",),
                              "the hf engine samples with full (unsharded) weights on each rank"))
+
+
+def _async_sampler(m: ModelShape, s: PlanInput, out: list[Component], notes: list[str]) -> None:
+    """The sampler thread's copy of the policy (on the device for hf; host memory for vLLM, which
+    pushes from it) and the k + 1 CPU snapshots of the trained weights the queue's pacing can hold."""
+    p_bytes = DTYPE_BYTES[s.param_dtype]
+    trained = m.lora_params(s.lora_r, s.lora_targets) * 4 if s.lora else m.params() * p_bytes
+    host = [("the sampler's copy of the policy", m.params() * p_bytes)] if s.engine == "vllm" else []
+    host.append((f"{s.async_steps + 1} published weight versions", (s.async_steps + 1) * trained))
+    if s.engine == "hf":
+        out.append(Component("sampler's copy of the policy", m.params() * p_bytes, ("static",),
+                             "rollout.async_steps: the sampler thread samples from its own copy"))
+    if s.device_type == "cpu":
+        for name, size in host:
+            out.append(Component(name, size, ("static",), "rollout.async_steps (CPU)"))
+    else:
+        notes.append("rollout.async_steps also holds in host memory: " + ", ".join(
+            f"{name} ({size / 2**30:.2f} GiB)" for name, size in host))
 
 
 # ---------------------------------------------------------------------------------------------

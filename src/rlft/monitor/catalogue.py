@@ -17,7 +17,8 @@ _ONLINE = (
     "adv/zero_std_group_frac", "adv/mean", "adv/std", "adv/max", "adv/min", "clip/low_frac", "clip/high_frac",
     "clip/dual_frac", "ratio/mean", "ratio/max", "ratio/min", "policy/approx_kl", "update/optimizer_steps",
     "update/skipped_no_signal", "rollout/logprob_diff_mean", "rollout/logprob_diff_max", "rollout/ratio_mean",
-    "time/generate", "time/score", "time/train", "time/step", "tokens_per_s")
+    "rollout/staleness_mean", "rollout/staleness_max",
+    "time/generate", "time/score", "time/train", "time/step", "time/rollout_wait", "tokens_per_s")
 _ONLINE_IF = {
     "kl": ("kl",),
     "tis": ("rollout/tis_weight_mean", "rollout/tis_capped_frac"),
@@ -31,6 +32,11 @@ METRIC_DESCRIPTIONS = {
                         "the k3 estimator (r - 1) - log r with r = pi / pi_old (Schulman's note), averaged over "
                         "the step's updates; >= 0. veRL's ppo_kl is k1 (mean of log pi_old - log pi), which can "
                         "be negative: compare the two only when both are small.",
+    "rollout/staleness_mean": "Batches the trainer had trained on since the step's completions were sampled "
+                              "(rollout.async_steps k: min(step - 1, k), exactly; 0 in a synchronous run).",
+    "time/rollout_wait": "Seconds the step waited for its rollouts: sampling and scoring them in a synchronous "
+                         "run, the wait on the sampler thread's queue in an async one (whose time/sampler_wait "
+                         "is how long the sampler waited for the weights the batch needed).",
     "kl": "KL(pi || reference) per token on the sampled tokens, with algorithm.kl_estimator (k1, k2 or k3), "
           "measured before the step's update; what an adaptive beta steers toward algorithm.kl_target.",
 }
@@ -68,6 +74,7 @@ def metric_names(config: Any, components: list[str]) -> tuple[set[str], tuple[st
         prefixes += [f"reward/{c}/" for c in components]
         names.update(_ONLINE_IF["kl"] if config.needs_reference else ())
         names.update(_ONLINE_IF["tis"] if a.rollout_correction == "tis" else ())
+        names.update(("time/sampler_wait",) if config.rollout.async_steps else ())
         names.update(_ONLINE_IF["dynamic_sampling"] if a.dynamic_sampling else ())
         names.update(_ONLINE_IF["critic"] if a.advantage == "gae" else ())
         if has_eval:

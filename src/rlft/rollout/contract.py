@@ -21,6 +21,9 @@ class Completion:
     # an environment's observation: attended to, never a target). None: every token was sampled.
     loss_mask: list[int] | None = None
     episode: "Episode | None" = None  # a multi-turn rollout's record (rollout/turns.py); None: one turn
+    # The weights it was sampled from: how many rollout batches the trainer had trained on (set by
+    # the online loop's rollout source; None outside training). Staleness = batches trained since.
+    policy_version: int | None = None
 
     @property
     def mask(self) -> list[int]:

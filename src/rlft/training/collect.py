@@ -31,6 +31,9 @@ class Rollout:
     group_ids: list[int]
     scores: Scores
     metrics: dict[str, float] = field(default_factory=dict)
+    # the scorer's report of this batch (reward/timeouts, reward/errors; warning lines), taken when
+    # it was scored: a sampler thread may score the next batch before the loop logs this one
+    scoring_report: tuple[dict[str, float], list[str]] = field(default_factory=lambda: ({}, []))
 
     @property
     def rewards(self) -> list[float | None]:

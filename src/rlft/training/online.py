@@ -8,10 +8,11 @@ one loop. Each step reads top to bottom in `online_step`.
 
 from __future__ import annotations
 
-import copy
 import math
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,15 +33,17 @@ from rlft.monitor.checks import infra_error_message
 from rlft.rewards.calls import ScoringInterrupted
 from rlft.monitor.stats import MetricAccumulator
 from rlft.rewards.scoring import RewardScorer, Scores, build_scorer
-from rlft.rollout import check_prompts_with_tools, rollout_dtype, rollout_engine, sampling_params, turn_driver
+from rlft.rollout import (Engine, build_engine, check_prompts_with_tools, rollout_dtype, rollout_engine,
+                          sampling_params, turn_driver)
 from rlft.rollout.batch import RolloutBatch
 from rlft.rollout.contract import trained_segments
-from rlft.training.collect import Rollout, collect_rollout
+from rlft.training.collect import Rollout
 from rlft.training.critic import Critic, build_critic
 from rlft.training.rl_update import UpdateSettings, policy_update, reference_logprobs, token_rewards
-from rlft.training import checkpoint as ckpt
 from rlft.training.distill import Teacher, load_teacher
 from rlft.training.distributed import SINGLE, World, gather_rows, shard
+from rlft.training.rollout_source import (AsyncRollouts, RolloutMaker, SamplerFailed, SharedScorer, SyncRollouts,
+                                          sampler_copy)
 from rlft.training.session import TrainingSession, evaluation, open_run, run_precision, session_for
 from rlft.training.sft_mix import build_sft_mix
 
@@ -75,12 +78,37 @@ def run_online(config: Config, world: World = SINGLE) -> dict[str, Any]:
             session.loggers.close()
 
 
-def _train(config: Config, session: TrainingSession, reference: Reference | None,
-           sample_dtype: torch.dtype | None = None, teacher: Teacher | None = None) -> dict[str, Any]:
+@dataclass
+class Online:
+    """What the online loop works with, built once from the config by `build_online`."""
+
+    rollouts: SyncRollouts | AsyncRollouts  # the steps' scored rollouts
+    engine: Engine  # evaluations sample with it (with rollout.async_steps = 0 the rollouts too)
+    driver: Any  # evaluations' turn driver (agent episodes), on `engine`
+    scorer: Any  # evaluations' rewards
+    train_rows: TrainRows
+    evals: list[PromptExample]
+    suites: list[Any]
+    correct: str  # the component that decides correctness (per-source accuracy)
+    kl_ctl: Any
+    update_gen: torch.Generator
+    settings: UpdateSettings
+    critic: Critic | None
+    sft_mix: Any
+    total: int  # steps
+    engines: list[Engine]  # everything to close at the end
+
+
+def build_online(config: Config, session: TrainingSession, sample_dtype: torch.dtype | None = None) -> Online:
+    """Data, rewards, engines, the rollout source and the update's parts, each checked; their state
+    registered with the session (before its resume)."""
     a, d, sc, policy, world = config.algorithm, config.data, config.scoring, session.policy, session.world
-    # a Ctrl-C may cut scoring short in one process; ranks stop together at a step's end instead
-    should_stop = None if world.active else (lambda: session.stop_signal is not None)
-    scorer = build_scorer(config.rewards, sc, should_stop=should_stop, warn=None)
+    k = config.rollout.async_steps
+    if k and world.active:
+        raise ConfigError(f"rollout.async_steps={k} runs in one process so far (its sampler thread would gather "
+                          "across ranks beside the trainer's collectives); launch without torchrun, or set "
+                          "rollout.async_steps=0")
+    scorer = _scorer(config, session)
     needs = scorer.required_fields
     train_rows = read_train_rows(d, config.seed, lambda path: load_prompts(d, policy.tokenizer, path, d.split,
                                                                            "prompt", needs))
@@ -93,12 +121,15 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
     if train_rows.mixed and correct not in components:
         raise ConfigError(f"eval.correct_component {correct!r} (per-source accuracy) is not a reward component; "
                           f"choose one of {components}")
-    engine = rollout_engine(config.rollout, policy.unsharded(), config.seed, sample_dtype)  # whole weights
-    driver = None
+    engine, sample_engine, sampler_model = _engines(config, policy.unsharded(), sample_dtype)
+    driver = eval_driver = None
     if config.agent is not None:  # each rank runs its share's episodes (collect_rollout)
-        driver = turn_driver(config.agent, engine, policy.tokenizer, config.seed, d.max_prompt_length)
+        driver = turn_driver(config.agent, sample_engine, policy.tokenizer, config.seed, d.max_prompt_length)
         for examples in (prompts, evals, *(p.examples for p in suites)):
             check_prompts_with_tools(driver, examples, d.max_prompt_length, config.agent.max_total_tokens)
+        # evaluations run their episodes on the loop's thread, so with its engine
+        eval_driver = driver if engine is sample_engine else \
+            turn_driver(config.agent, engine, policy.tokenizer, config.seed, d.max_prompt_length)
     kl_ctl = make_kl_controller(a.kl_coef, a.kl_target, a.kl_adapt_factor, a.kl_controller, a.kl_horizon)
     sampler = PromptSampler(len(train_rows), config.seed, d.shuffle, order=train_rows.order)
     update_gen = torch.Generator().manual_seed(config.seed)
@@ -106,49 +137,97 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
                                                                           config.rollout.prompts_per_step)
     settings, params = UpdateSettings.from_config(config), sampling_params(config.rollout)
     critic = build_critic(config, session, settings, total) if a.advantage == "gae" else None
+    maker = RolloutMaker(sample_engine, sampler, prompts, scorer, params, config.rollout.prompts_per_step,
+                         a.dynamic_sampling, a.dynamic_sampling_max_rounds, world, driver)
+    rollouts, eval_scorer = _rollout_source(k, maker, policy.unsharded().model, sampler_model)
 
-    for name, part in (("sampler", sampler), ("kl", kl_ctl), ("engine", engine), ("update_generator", update_gen),
+    for name, part in (*rollouts.parts().items(), ("kl", kl_ctl), ("update_generator", update_gen),
                        ("critic", critic), ("sft_mix", sft_mix)):
-        if part is not None:  # no rollout buffer survives a step: after a resume the next batch is new
+        if part is not None:  # batches sampled but not yet trained on survive only in an async run's queue
             session.register(name, _GeneratorState(part) if isinstance(part, torch.Generator) else part)
-    session.start(total, PROGRESS_KEYS, config.method, updates_per_step=a.epochs * a.minibatches)
+    return Online(rollouts, engine, eval_driver, eval_scorer, train_rows, evals, suites, correct, kl_ctl, update_gen, settings,
+                  critic, sft_mix, total, list({id(e): e for e in (sample_engine, engine)}.values()))
+
+
+def _scorer(config: Config, session: TrainingSession) -> RewardScorer:
+    sc = config.scoring
+    # a Ctrl-C may cut scoring short in one process; ranks stop together at a step's end instead,
+    # and a sampler thread always finishes its batch (a checkpoint saves it)
+    stop_early = not (session.world.active or config.rollout.async_steps)
+    return build_scorer(config.rewards, sc, should_stop=(lambda: session.stop_signal is not None) if stop_early
+                        else None, warn=None)
+
+
+def _rollout_source(k: int, maker: RolloutMaker, trainer_model: Any,
+                    sampler_model: Any) -> tuple[SyncRollouts | AsyncRollouts, Any]:
+    """The rollouts of `maker`, in turn (k = 0) or from a sampler thread; and the scorer evaluations
+    use (async: the same rewards, each side's calls and reports taken under one lock)."""
+    if not k:
+        return SyncRollouts(maker), maker.scorer
+    lock = threading.Lock()
+    real = maker.scorer
+    maker.scorer = SharedScorer(real, lock)
+    return AsyncRollouts(maker, k, trainer_model, sampler_model), SharedScorer(real, lock)
+
+
+def _engines(config: Config, policy: Any, dtype: torch.dtype | None) -> tuple[Engine, Engine, Any]:
+    """(the engine evaluations use, the engine rollouts use, the module the rollout engine samples
+    from). Synchronous: one engine on the trainer's own (unsharded) module. Async: the sampler's
+    engine gets its own copy of the policy; evaluations sample the live weights on the loop's
+    thread with the hf engine (a vLLM engine is the sampler thread's alone)."""
+    r = config.rollout
+    if not r.async_steps:
+        engine = rollout_engine(r, policy, config.seed, dtype)
+        return engine, engine, policy.model
+    copy_ = sampler_copy(policy, torch.device("cpu") if r.engine == "vllm" else None)
+    sample_engine = rollout_engine(r, copy_, config.seed, dtype)
+    engine = build_engine(policy, config.seed, "hf", r.batch_size, r.fast_decode, dtype=dtype)
+    return engine, sample_engine, copy_.model
+
+
+def _train(config: Config, session: TrainingSession, reference: Reference | None,
+           sample_dtype: torch.dtype | None = None, teacher: Teacher | None = None) -> dict[str, Any]:
+    a, world = config.algorithm, session.world
+    o = build_online(config, session, sample_dtype)
+    rollouts, critic = o.rollouts, o.critic
+    session.start(o.total, PROGRESS_KEYS, config.method, updates_per_step=a.epochs * a.minibatches)
     session.resume()
+    rollouts.start(session.step)
 
     last: dict[str, float] = {}
     eval_metrics: dict[str, float] = {}
     try:
-        while session.step < total and not session.stopping:
+        while session.step < o.total and not session.stopping:
             start = time.perf_counter()
-            step_start = _StepStart({"sampler": sampler, "engine": engine})
             try:
-                rollout = collect_rollout(engine, sampler, prompts, scorer, params, config.rollout.prompts_per_step,
-                                          a.dynamic_sampling, a.dynamic_sampling_max_rounds, world, driver)
+                rollout = rollouts.take()
             except ScoringInterrupted:  # Ctrl-C while rewards ran: finish() saves the last completed step
-                step_start.restore()
+                rollouts.restore()
                 break
-            except (RewardError, EnvironmentFailed) as exc:
-                _halt(session, step_start, str(exc))
-            rollout.metrics.update(world_sums(world, _scoring_report(session, scorer)))
-            _check_infra(session, rollout, sc.max_infra_error_rate, step_start)
-            metrics = online_step(session, rollout, reference, kl_ctl, settings, update_gen, critic, sft_mix, teacher)
+            except (RewardError, EnvironmentFailed, SamplerFailed) as exc:
+                _halt(session, rollouts, str(exc))
+            rollout.metrics.update(world_sums(world, _scoring_report(session, rollout.scoring_report)))
+            _check_infra(session, rollout, config.scoring.max_infra_error_rate, rollouts)
+            metrics = online_step(session, rollout, reference, o.kl_ctl, o.settings, o.update_gen, critic, o.sft_mix,
+                                  teacher)
+            session.sync_mirror()  # a distributed run's whole copy, which the engine samples from
+            rollouts.trained()  # the engine (or the sampler thread) takes the new weights
             if metrics is None:  # every update was skipped (non-finite): draw a new batch
                 continue
-            session.sync_mirror()  # a distributed run's whole copy, which the engine samples from
-            engine.sync_weights()
             session.step += 1
-            if train_rows.mixed:
-                metrics.update(_source_metrics(world, rollout, correct, config.eval.correct_threshold))
+            if o.train_rows.mixed:
+                metrics.update(_source_metrics(world, rollout, o.correct, config.eval.correct_threshold))
             texts = [t for part in world.gather([c.text for c in rollout.completions]) for t in part]
             metrics.update(session.monitor.completion_metrics(texts))
             metrics["time/step"] = time.perf_counter() - start
             metrics["tokens_per_s"] = metrics["completion/tokens"] / metrics["time/step"]
             failed = None
-            if evals and session.eval_due():
-                eval_metrics, failed = _evaluate(session, engine, evals, config, scorer, driver)
+            if o.evals and session.eval_due():
+                eval_metrics, failed = _evaluate(session, o.engine, o.evals, config, o.scorer, o.driver)
                 metrics.update(eval_metrics)
-            if suites and failed is None:
-                suite_metrics, failed = session.evaluate_suites(engine, suites, config.seed, metrics["reward/mean"],
-                                                                driver)
+            if o.suites and failed is None:
+                suite_metrics, failed = session.evaluate_suites(o.engine, o.suites, config.seed, metrics["reward/mean"],
+                                                                o.driver)
                 metrics.update(suite_metrics)
                 eval_metrics.update(suite_metrics)
             _log_samples(session, rollout, config.logging.num_samples, config.logging.sample_every)
@@ -167,11 +246,13 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
     finally:
         session.close_display()
         session._restore_signal_handlers()  # also when an error ends the run (a notebook keeps its Ctrl-C)
+        rollouts.close(wait=sys.exc_info()[0] is None)  # the sampler thread is done with its engine
         # last: a vLLM engine tears down the process group it joined (in a distributed run, ours),
         # so every rank must be past its last collective first
         if world.active and sys.exc_info()[0] is None:
             world.barrier()
-        engine.close()
+        for engine in o.engines:
+            engine.close()
 
 
 def online_step(session: TrainingSession, rollout: Rollout, reference: Reference | None, kl_ctl: Any,
@@ -295,7 +376,7 @@ def world_sums(world: World, metrics: dict[str, float]) -> dict[str, float]:
     return acc.reduce(world).sums()
 
 
-def _check_infra(session: TrainingSession, rollout: Rollout, limit: float, step_start: "_StepStart") -> None:
+def _check_infra(session: TrainingSession, rollout: Rollout, limit: float, step_start: Any) -> None:
     total = [r for rewards in session.world.gather(rollout.rewards) for r in rewards]
     rate = sum(r is None for r in total) / max(len(total), 1)
     if rate > limit:
@@ -304,9 +385,10 @@ def _check_infra(session: TrainingSession, rollout: Rollout, limit: float, step_
         raise TrainingHalted(infra_error_message(session.step + 1, rate, limit, path))
 
 
-def _scoring_report(session: TrainingSession, scorer: RewardScorer, prefix: str = "") -> dict[str, float]:
+def _scoring_report(session: TrainingSession, report: tuple[dict[str, float], list[str]],
+                    prefix: str = "") -> dict[str, float]:
     """The step's reward/timeouts and reward/errors; one console line per reward that misbehaved."""
-    metrics, warnings = scorer.take_report()
+    metrics, warnings = report
     for line in warnings:
         session.print(f"[yellow]warning: {prefix}{escape(line)}")
     return metrics
@@ -320,35 +402,19 @@ def _evaluate(session: TrainingSession, engine: Any, evals: list[PromptExample],
     metrics, failed = evaluation(lambda: evaluate_prompts(engine, evals, config.eval, scorer, seed=config.seed,
                                                           driver=driver).metrics)
     if failed is None:
-        _scoring_report(session, scorer, prefix="eval: ")
+        _scoring_report(session, scorer.take_report(), prefix="eval: ")
     return metrics, failed
 
 
-def _halt(session: TrainingSession, step_start: "_StepStart | None", message: str) -> None:
-    """Stop the run on a reward or environment failure, saving the last completed step (its state
-    as it was when that step ended: the abandoned step's rollout is undone first)."""
+def _halt(session: TrainingSession, step_start: Any, message: str) -> None:
+    """Stop the run on a reward, environment or sampler failure, saving the last completed step
+    (its state as it was when that step ended: the abandoned step's rollout is undone first)."""
     if step_start is not None:
         step_start.restore()
     path = session.save_checkpoint() if session.step > 0 else None
     saved = (f"\nThe last completed step ({session.step}) is saved in {path}; after the fix, continue with: "
              f"rlft train --resume {session.run.root}") if path else ""
     raise TrainingHalted(f"stopped: {message}{saved}")
-
-
-class _StepStart:
-    """The state parts a rollout changes (data order, the engine's sampler) and the global RNGs, as
-    they were when a step began: restored when the step is abandoned, so the checkpoint saved
-    then equals the one the last completed step would have saved."""
-
-    def __init__(self, parts: dict[str, Any]):
-        self.parts = parts
-        self.states = {name: copy.deepcopy(part.state_dict()) for name, part in parts.items()}
-        self.rng = ckpt.rng_state()
-
-    def restore(self) -> None:
-        for name, part in self.parts.items():
-            part.load_state_dict(self.states[name])
-        ckpt.set_rng_state(self.rng)
 
 
 def _log_samples(session: TrainingSession, rollout: Rollout, num_samples: int, every: int) -> None:

@@ -7,7 +7,9 @@ exactly 1), otherwise a no-grad pass computes them before the first update. The 
 log-probs are compared with them on the first pass (`rollout/logprob_diff_*`,
 `rollout/ratio_mean`): the mismatch between two implementations of one policy is measured, not
 mixed into the clipping, and `rollout_correction: tis` corrects for it with truncated importance
-weights.
+weights. `rollout_correction: bypass` departs from this on purpose: the engine's log-probs are
+pi_old, so the clipped ratio itself is the correction (for asynchronous rollouts, whose sampler
+runs k steps behind: the mismatch then includes those k steps).
 """
 
 from __future__ import annotations
@@ -181,13 +183,14 @@ def policy_update(trainer: Trainer, batch: RolloutBatch, advantages: Tensor, ref
     carries_signal = (advantages != 0).any(-1) | use_kl | (s.entropy_coef > 0) | (extra is not None)
     carries_signal &= loss_mask.any(-1)
     stats = MetricAccumulator()
-    old_logprobs = None
-    if not s.single_pass and world.any(bool(carries_signal.any())):
+    bypass = s.rollout_correction == "bypass"
+    old_logprobs = batch.sampling_logprobs if bypass else None
+    if not bypass and not s.single_pass and world.any(bool(carries_signal.any())):
         with trainer.autocast():
             old_logprobs = batch_logprobs(model, batch, s.temperature, s.micro_batch_size, world, s.packing,
                                           s.shared_prefix)
         stats.add(engine_mismatch(old_logprobs, batch.sampling_logprobs, loss_mask))
-    applied_steps = 0
+    applied_steps, stepped = 0, False
     for _ in range(s.epochs):
         order = torch.randperm(batch.size, generator=generator) if s.minibatches > 1 else torch.arange(batch.size)
         for chunk in order.chunk(s.minibatches):
@@ -208,8 +211,11 @@ def policy_update(trainer: Trainer, batch: RolloutBatch, advantages: Tensor, ref
                 mask = loss_mask[micro_rows, : sub.completion_len]
                 old = None if old_logprobs is None else old_logprobs[micro_rows, : sub.completion_len]
                 ref = ref_logprobs[micro_rows, : sub.completion_len] if use_kl else None
+                # the engine's numbers against the trainer's, before any update (bypass: its first one)
+                measure = old is None or (bypass and applied_steps == 0 and not stepped)
                 with trainer.autocast():
-                    loss, m = _micro_loss(model, sub, micro_rows, mask, advantages, old, ref, beta, s, norms, extra)
+                    loss, m = _micro_loss(model, sub, micro_rows, mask, advantages, old, ref, beta, s, norms, extra,
+                                          measure)
                 # a throwaway micro-batch (a rank with fewer rows) only keeps the collectives in step
                 trainer.backward(loss * (loss_scale(world) if real else 0.0))
                 if real:
@@ -222,6 +228,7 @@ def policy_update(trainer: Trainer, batch: RolloutBatch, advantages: Tensor, ref
                 loss_value += float(aux_loss.detach())
                 stats.add(m)
             applied, grad_norm = trainer.optimizer_step(loss_value)
+            stepped = True
             if applied:
                 applied_steps += 1
                 stats.add({"loss": world.sum([loss_value])[0], "grad_norm": grad_norm})
@@ -232,8 +239,9 @@ def policy_update(trainer: Trainer, batch: RolloutBatch, advantages: Tensor, ref
 
 def _micro_loss(model: Any, sub: RolloutBatch, rows: Tensor, mask: Tensor, advantages: Tensor, old: Tensor | None,
                 ref: Tensor | None, beta: float, s: UpdateSettings, norms: dict[str, float],
-                extra: ExtraLoss | None) -> tuple[Tensor, dict[str, float]]:
-    """The loss of one micro-batch, already divided by the minibatch's global normalisers."""
+                extra: ExtraLoss | None, measure_engine: bool = False) -> tuple[Tensor, dict[str, float]]:
+    """The loss of one micro-batch, already divided by the minibatch's global normalisers.
+    `measure_engine`: also compare the engine's sampling log-probs with this forward's."""
     t = sub.completion_len
     want_hidden = extra is not None and extra.needs_hidden
     out = completion_logprobs(model, sub.input_ids, sub.attention_mask, t, s.temperature,
@@ -241,9 +249,10 @@ def _micro_loss(model: Any, sub: RolloutBatch, rows: Tensor, mask: Tensor, advan
                               packing=s.packing, shared_prefix=s.shared_prefix)
     logprobs, entropy = out[0], out[1]  # [n, t]
     metrics: dict[str, float] = {}
-    if old is None:  # single pass: this forward is pi_old, and the first look at the engine's numbers
+    if old is None:  # single pass: this forward is pi_old
         old = logprobs.detach()
-        metrics.update(engine_mismatch(old, sub.sampling_logprobs, mask))
+    if measure_engine:
+        metrics.update(engine_mismatch(logprobs.detach(), sub.sampling_logprobs, mask))
     per_token, m = POLICY_LOSSES[s.policy_loss](logprobs, old, advantages[rows, :t], mask,
                                                 clip_low=s.clip_low, clip_high=s.clip_high, dual_clip=s.dual_clip)
     metrics.update(m)

@@ -66,7 +66,9 @@ def open_run(config: Config, world: World = SINGLE) -> Iterator[RunDir]:
         if world.main:
             console.print(f"[yellow]warning: {escape(line)}" if warning else escape(line), highlight=False)
 
-    set_run_threads(config.training.num_threads, say)
+    # an async run samples on a thread of its own while the trainer computes: both take threads
+    async_run = config.is_online and config.rollout.async_steps > 0
+    set_run_threads(config.training.num_threads, say, workers=2 if async_run else 1)
     seed_everything(config.seed)
     run = RunDir(config.output_dir, writer=world.main)  # rank 0 alone writes the run directory
     if world.main:

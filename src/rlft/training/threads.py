@@ -27,13 +27,15 @@ def cores_and_load() -> tuple[int, float] | None:
 
 
 def choose_threads(requested: int | None, default: int, cores: int, load: float,
-                   processes: int = 1) -> tuple[int, str, bool]:
+                   processes: int = 1, workers: int = 1) -> tuple[int, str, bool]:
     """(threads, the line that says why, whether that line is a warning). `default`: what torch
     would use; `processes`: ranks of this run sharing the machine (torchrun), each getting its
-    share of the free cores."""
-    free = max(1, (cores - int(load)) // max(processes, 1))
+    share of the free cores; `workers`: threads of one process running torch at once (an async
+    run's sampler and trainer), each taking `threads` (torch's count holds in every thread)."""
+    free = max(1, (cores - int(load)) // max(processes * workers, 1))
     state = f"the 1-minute load average {load:.1f} leaves {free} of {cores} cores free" + (
-        f" per process ({processes} processes)" if processes > 1 else "")
+        f" per process ({processes} processes)" if processes > 1 else "") + (
+        " per thread (the rollout sampler and the trainer run at once)" if workers > 1 else "")
     if requested is None:
         threads = max(1, min(default, free))
         why = "torch's default;" if threads == default else f"torch would use {default}, but"
@@ -46,7 +48,7 @@ def choose_threads(requested: int | None, default: int, cores: int, load: float,
     return requested, "", False
 
 
-def set_run_threads(requested: int | None, say: Callable[[str, bool], None]) -> int:
+def set_run_threads(requested: int | None, say: Callable[[str, bool], None], workers: int = 1) -> int:
     """Set torch's thread count for this process as `choose_threads` decides; `say(line,
     is_warning)` gets its line. Returns the count."""
     import torch
@@ -57,7 +59,8 @@ def set_run_threads(requested: int | None, say: Callable[[str, bool], None]) -> 
             torch.set_num_threads(requested)
         return torch.get_num_threads()
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    threads, line, warning = choose_threads(requested, torch.get_num_threads(), *measured, processes=processes)
+    threads, line, warning = choose_threads(requested, torch.get_num_threads(), *measured, processes=processes,
+                                            workers=workers)
     torch.set_num_threads(threads)
     if line:
         say(line, warning)
