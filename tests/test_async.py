@@ -144,6 +144,7 @@ def test_pacing_gives_every_batch_its_exact_version_whatever_the_timing():
         def parts(self):
             return {}
 
+    threads_before = threading.active_count()  # other tests may leave daemon threads behind
     for k in (1, 2, 3):
         rng = random.Random(k)
         trainer, sampler = Counter(), Counter()
@@ -160,7 +161,7 @@ def test_pacing_gives_every_batch_its_exact_version_whatever_the_timing():
                 state = rollouts.state_dict()
                 assert state["first"] == 11 and state["next"] == 11 + k + 1 and len(state["rollouts"]) == k + 1
         rollouts.close()
-        assert threading.active_count() < 10
+        assert threading.active_count() <= threads_before  # the sampler thread is gone after close()
 
 
 @pytest.mark.parametrize("k", [1, 2])

@@ -112,7 +112,8 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-RUNS = [("sft", False), ("sft", True), ("dpo", False), ("grpo", False), ("grpo", True)]
+# gspo: sequence-level ratios and a per-sequence mean, whose normaliser must count both ranks' sequences
+RUNS = [("sft", False), ("sft", True), ("dpo", False), ("grpo", False), ("grpo", True), ("gspo", False), ("cispo", True)]
 
 
 @pytest.fixture(scope="module")
