@@ -254,6 +254,7 @@ def used_calculator(prompt, completion, tool_calls, **row):
 '''
 
 
+@pytest.mark.slow  # make test stays under 10 min; run with -m slow (make test-slow)
 def test_two_ranks_run_the_episodes_one_process_runs(calc, tmp_path):
     """GRPO with the calculator on two ranks (torchrun, gloo). With the replay engine of
     dist_driver.py (completions, calls included, depend only on the stream names) the two ranks

@@ -472,6 +472,7 @@ def _grpo_on_vllm(tmp_path, qwen_path, name, steps, **extra):
     return summary
 
 
+@pytest.mark.slow  # make test stays under 10 min; run with -m slow (make test-slow)
 def test_held_out_reward_rises_and_resume_continues_the_same_run(tmp_path, qwen_path):
     """GRPO on the vLLM engine raises the held-out reward (evaluated on the same engine); a run
     stopped after 3 steps and continued to 6 ends where the uninterrupted one does: the engine's
@@ -496,6 +497,7 @@ def test_held_out_reward_rises_and_resume_continues_the_same_run(tmp_path, qwen_
     assert whole["eval/reward_mean"] > before["eval/reward_mean"] + 0.05, (before, whole)
 
 
+@pytest.mark.slow  # make test stays under 10 min; run with -m slow (make test-slow)
 def test_async_rollouts_on_vllm_push_each_version_and_resume_exactly(tmp_path, qwen_path):
     """rollout.async_steps=1 on the vLLM engine: its sampler thread pushes version b - 1 (from its
     CPU copy) before sampling batch b. Step 1 samples version 0 and trains version 0: engine and
