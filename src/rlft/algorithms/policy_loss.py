@@ -50,16 +50,20 @@ def clipped(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, completi
     loss = torch.where(mask, loss, 0.0)
 
     with torch.no_grad():
-        low = (adv < 0) & (ratio < 1 - clip_low) & mask
-        high = (adv > 0) & (ratio > 1 + clip_high) & mask
-        metrics = _ratio_metrics(ratio, log_ratio, mask, low, high)
+        metrics = _ratio_metrics(ratio, log_ratio, mask, clip_low, clip_high, adv)
         metrics["clip/dual_frac"] = float((dual_on & mask).sum() / mask.sum().clamp(min=1))
     return loss, metrics
 
 
-def _ratio_metrics(ratio: Tensor, log_ratio: Tensor, mask: Tensor, low: Tensor, high: Tensor) -> dict[str, float]:
-    """Clip fractions (of the masked tokens) and the range of the ratio the loss uses (a sequence's
-    under GSPO); `low`/`high` mark clipped tokens; `log_ratio` is the token-level log(pi / pi_old)."""
+def _ratio_metrics(ratio: Tensor, log_ratio: Tensor, mask: Tensor, clip_low: float, clip_high: float,
+                   adv: Tensor | None = None) -> dict[str, float]:
+    """Clip fractions (of the masked tokens: below 1 - clip_low where A < 0, above 1 + clip_high where
+    A > 0; any sign without `adv`) and the range of the ratio the loss uses (a sequence's under
+    GSPO); `log_ratio` is the token-level log(pi / pi_old)."""
+    low = (ratio < 1 - clip_low) & mask
+    high = (ratio > 1 + clip_high) & mask
+    if adv is not None:  # a clip only binds where it would move the objective
+        low, high = low & (adv < 0), high & (adv > 0)
     n = mask.sum().clamp(min=1).to(ratio.dtype)
     any_tok = bool(mask.any())
     masked_ratio = ratio[mask]
@@ -85,11 +89,12 @@ def _token_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Te
     return torch.where(mask, logprobs - old_logprobs.detach(), 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
 
 
-def _sequence_log_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
-    """log s_i = mean over the sequence's tokens of log(pi / pi_old): the log of GSPO's
-    length-normalised sequence ratio (pi(y_i) / pi_old(y_i)) ** (1 / |y_i|). `[N, T] -> [N, 1]`."""
-    lengths = mask.sum(-1, keepdim=True).clamp(min=1).to(log_ratio.dtype)
-    return log_ratio.sum(-1, keepdim=True) / lengths
+def _sequence_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Each sequence's mean of `x` over its masked tokens (0 where x is masked out). On the token
+    log-ratios it is log s_i, the log of GSPO's length-normalised sequence ratio
+    (pi(y_i) / pi_old(y_i)) ** (1 / |y_i|). `[N, T] -> [N, 1]`."""
+    lengths = mask.sum(-1, keepdim=True).clamp(min=1).to(x.dtype)
+    return x.sum(-1, keepdim=True) / lengths
 
 
 def gspo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, completion_mask: Tensor, *,
@@ -108,16 +113,13 @@ def gspo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, completion_
     _no_dual_clip("gspo", dual_clip)
     mask = completion_mask.bool()
     log_ratio = _token_log_ratio(logprobs, old_logprobs, mask)  # [N, T]
-    seq_ratio = _sequence_log_ratio(log_ratio, mask).exp()  # [N, 1]
-    lengths = mask.sum(-1, keepdim=True).clamp(min=1)
-    adv = (torch.where(mask, advantages.detach(), 0.0).sum(-1, keepdim=True) / lengths).to(seq_ratio.dtype)  # [N, 1]
+    seq_ratio = _sequence_mean(log_ratio, mask).exp()  # [N, 1]
+    adv = _sequence_mean(torch.where(mask, advantages.detach(), 0.0), mask).to(seq_ratio.dtype)  # [N, 1]
     seq_loss = -torch.minimum(seq_ratio * adv, seq_ratio.clamp(1 - clip_low, 1 + clip_high) * adv)  # [N, 1]
     loss = torch.where(mask, seq_loss.expand_as(log_ratio), 0.0)  # [N, T]
     with torch.no_grad():
         ratio = seq_ratio.expand_as(log_ratio)
-        low = (adv < 0) & (ratio < 1 - clip_low) & mask
-        high = (adv > 0) & (ratio > 1 + clip_high) & mask
-        metrics = _ratio_metrics(ratio, log_ratio, mask, low, high)
+        metrics = _ratio_metrics(ratio, log_ratio, mask, clip_low, clip_high, adv)
     return loss, metrics
 
 
@@ -131,16 +133,14 @@ def gspo_token(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, compl
     _no_dual_clip("gspo_token", dual_clip)
     mask = completion_mask.bool()
     log_ratio = _token_log_ratio(logprobs, old_logprobs, mask)  # [N, T]
-    seq_log_ratio = _sequence_log_ratio(log_ratio, mask).detach()  # [N, 1]
+    seq_log_ratio = _sequence_mean(log_ratio, mask).detach()  # [N, 1]
     current = torch.where(mask, logprobs, 0.0)
     ratio = (seq_log_ratio + current - current.detach()).exp()  # [N, T] value s_i, gradient per token
     adv = torch.where(mask, advantages.detach(), 0.0)
     loss = -torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
     loss = torch.where(mask, loss, 0.0)
     with torch.no_grad():
-        low = (adv < 0) & (ratio < 1 - clip_low) & mask
-        high = (adv > 0) & (ratio > 1 + clip_high) & mask
-        metrics = _ratio_metrics(ratio, log_ratio, mask, low, high)
+        metrics = _ratio_metrics(ratio, log_ratio, mask, clip_low, clip_high, adv)
     return loss, metrics
 
 
@@ -163,9 +163,8 @@ def cispo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, completion
     adv = torch.where(mask, advantages.detach(), 0.0)
     loss = torch.where(mask, -weight * adv * torch.where(mask, logprobs, 0.0), 0.0)  # [N, T]
     with torch.no_grad():
-        low = (ratio < 1 - clip_low) & mask  # weight clipped (the token still has a gradient)
-        high = (ratio > 1 + clip_high) & mask
-        metrics = _ratio_metrics(ratio, log_ratio, mask, low, high)
+        # a clipped weight (the token still has a gradient), whatever the advantage's sign
+        metrics = _ratio_metrics(ratio, log_ratio, mask, clip_low, clip_high)
     return loss, metrics
 
 

@@ -31,7 +31,7 @@ def is_reasoning_gym(source: str) -> bool:
     return source.startswith(PREFIX)
 
 
-def _module() -> Any:
+def import_reasoning_gym() -> Any:
     try:
         import reasoning_gym
     except ImportError:
@@ -49,6 +49,9 @@ class GymSource:
     config: tuple[tuple[str, Any], ...] = ()
 
 
+_LOCATION_KEYS = ("size", "eval_size", "seed", "system")  # the rest of a location's keys are the task's
+
+
 def parse(source: str) -> GymSource:
     """`reasoning_gym:TASK?size=..` -> its parts; values are read as JSON where they parse
     (numbers, true/false, lists), else as text."""
@@ -60,7 +63,7 @@ def parse(source: str) -> GymSource:
             settings[key] = json.loads(raw)
         except json.JSONDecodeError:
             settings[key] = raw
-    known = {f.name: settings.pop(f.name) for f in dataclasses.fields(GymSource)[1:5] if f.name in settings}
+    known = {name: settings.pop(name) for name in _LOCATION_KEYS if name in settings}
     for name in ("size", "eval_size", "seed"):
         if name in known and (not isinstance(known[name], int) or known[name] < (0 if name == "seed" else 1)):
             raise DataError(f"{source}: {name}={known[name]!r} must be a whole number"
@@ -69,7 +72,7 @@ def parse(source: str) -> GymSource:
 
 
 def _dataset(src: GymSource, seed: int, size: int, where: str) -> Any:
-    rg = _module()
+    rg = import_reasoning_gym()
     from reasoning_gym.factory import DATASETS
 
     if src.task not in DATASETS:
@@ -104,7 +107,7 @@ def read_reasoning_gym(source: str, split: str) -> list[Any]:
             raise DataError(f"{source}: only {len(entries)} held-out questions differ from the {src.size} train "
                             f"ones (eval_size={src.eval_size}); the task's space is small at these settings: lower "
                             "size or eval_size, or widen the difficulty")
-    prompts = _module().utils.SYSTEM_PROMPTS
+    prompts = import_reasoning_gym().utils.SYSTEM_PROMPTS
     if src.system != "none" and src.system not in prompts:
         raise DataError(f"{source}: system={src.system!r} is not one of reasoning-gym's system prompts: "
                         f"{', '.join(prompts)}, or none")

@@ -36,8 +36,6 @@ from rlft.models.packing import fit_bins, row_spans
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "on", "off")
-
 
 @dataclass(frozen=True)
 class AttentionCost:

@@ -56,3 +56,11 @@ class MetricAccumulator:
             else:
                 out[key] = total
         return out
+
+
+def world_sums(world: Any, metrics: dict[str, float]) -> dict[str, float]:
+    """Counters summed over ranks (every rank sees the same keys: a missing one counts 0); keys
+    ending in `max` / `min` keep the extreme. A collective: every rank calls it."""
+    acc = MetricAccumulator()
+    acc.add(metrics)
+    return acc.reduce(world).sums()

@@ -26,27 +26,14 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Callable
+from typing import Any
 
 from rlft.rewards.reward_model import raw_scorer, shape_score
 from rlft.rewards.scores import Scored
 from rlft.rewards.scoring import register_reward
 
 
-def _mean(scores: list[float], std: float, lam: float) -> float:
-    return sum(scores) / len(scores)
-
-
-def _min(scores: list[float], std: float, lam: float) -> float:
-    return min(scores)
-
-
-def _pessimistic(scores: list[float], std: float, lam: float) -> float:
-    return _mean(scores, std, lam) - lam * std
-
-
-COMBINERS: dict[str, Callable[[list[float], float, float], float]] = {
-    "mean": _mean, "min": _min, "pessimistic": _pessimistic}
+COMBINERS = ("mean", "min", "pessimistic")
 
 
 def combine_scores(scores: list[float], combine: str, lam: float = 1.0) -> tuple[float, float]:
@@ -59,7 +46,8 @@ def combine_scores(scores: list[float], combine: str, lam: float = 1.0) -> tuple
     """
     mean = sum(scores) / len(scores)
     std = math.sqrt(sum((s - mean) ** 2 for s in scores) / len(scores))
-    return COMBINERS[combine](scores, std, lam), std
+    combined = {"mean": mean, "min": min(scores), "pessimistic": mean - lam * std}[combine]
+    return combined, std
 
 
 @register_reward("reward_model_ensemble")

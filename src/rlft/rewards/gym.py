@@ -12,9 +12,9 @@ from rlft.rewards.scoring import RewardFn, register_reward
 
 @lru_cache(maxsize=None)
 def _scorer(task: str) -> Callable[..., float]:
-    from rlft.data.reasoning_gym import _module
+    from rlft.data.reasoning_gym import import_reasoning_gym
 
-    return _module().get_score_answer_fn(task)
+    return import_reasoning_gym().get_score_answer_fn(task)
 
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")

@@ -24,7 +24,7 @@ from rlft.models.precision import autocast_to
 from rlft.models.template import end_of_turn_ids
 from rlft.rollout.contract import Completion, SamplingParams
 from rlft.rollout.fast_decode import LeanDecoder
-from rlft.rollout.seeds import check_engine_state, request_seeds
+from rlft.rollout.seeds import call_number, check_engine_state, request_seeds
 from rlft.models.forward import position_ids_for
 
 
@@ -66,8 +66,7 @@ class HFEngine:
                  streams: Sequence[str] | None = None) -> list[Completion]:
         """`first_prompt` and `streams` name the sampling streams (see `Engine.generate`): completion
         k of a prompt draws from the same stream wherever it is generated."""
-        call = self._calls if streams is None else self._calls - 1  # a later turn continues the last call
-        self._calls += streams is None
+        call, self._calls = call_number(self._calls, streams)
         if not prompts:
             return []
         rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
@@ -149,6 +148,7 @@ class HFEngine:
             return logits, cache
         to_unique = torch.searchsorted(unique, source)  # [n]: row -> its prompt's place in the prefill
         if not hasattr(cache, "batch_select_indices"):  # a cache we cannot copy rows of: prefill per row
+            self.share_prefill = False  # (and from now on, without the shared prefill first)
             out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
                              use_cache=True, logits_to_keep=1)
             return out.logits[:, -1], self._cache_of(out)

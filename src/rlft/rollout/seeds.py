@@ -24,6 +24,12 @@ def named_stream_seed(seed: int, stream: str, call: int, name: str, sample: int 
     return stream_seed(seed, stream, call, f"named:{name}:{sample}")
 
 
+def call_number(calls: int, streams: Sequence[str] | None) -> tuple[int, int]:
+    """(this generate call's number, the engine's call count after it): a call with named streams
+    is a later turn of the previous call's episodes, so it continues that call's number."""
+    return (calls, calls + 1) if streams is None else (calls - 1, calls)
+
+
 def request_seeds(seed: int, stream: str, call: int, prompts: int, n: int, first_prompt: int = 0,
                   streams: Sequence[str] | None = None) -> list[int]:
     """One seed per completion, grouped by prompt: completion k of prompt i draws from stream

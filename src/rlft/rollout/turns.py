@@ -161,6 +161,9 @@ class TurnDriver:
         lim = self.limits
         prompts, envs = self._start_environments(prompts, params.n, first_prompt, rows)
         prompt_ids = [self.encoder.prompt_ids(m) for m in prompts]
+        if self.environment is not None:  # a first observation may have lengthened the prompt
+            for row, ids in zip(rows or self._default_rows(len(prompts), first_prompt), prompt_ids):
+                self.environment.check_prompt(row, len(ids))
         live = [_Live(i * params.n + k, i, list(m), ids, env=envs[i][k],
                       record=Episode(list(m), max_tokens=lim.max_total_tokens,
                                      env_rewards=None if envs[i][k] is None else []))
@@ -198,11 +201,13 @@ class TurnDriver:
         takes the place of the row's last message); [None] * n per prompt without an environment."""
         if self.environment is None:
             return list(prompts), [[None] * n for _ in prompts]
-        rows = rows or [EpisodeRow(f"prompt {first_prompt + i}", {}, first_prompt + i) for i in range(len(prompts))]
+        rows = rows or self._default_rows(len(prompts), first_prompt)
         started = [self.environment.start(m, row, n) for m, row in zip(prompts, rows)]
-        for (messages, _), row in zip(started, rows):
-            self.environment.check_prompt(row, len(self.encoder.prompt_ids(messages)))
         return [m for m, _ in started], [envs for _, envs in started]
+
+    @staticmethod
+    def _default_rows(count: int, first_prompt: int) -> list[EpisodeRow]:
+        return [EpisodeRow(f"prompt {first_prompt + i}", {}, first_prompt + i) for i in range(count)]
 
     def _step_environments(self, acting: list[_Live], turn: int) -> list[_Live]:
         """Step each episode's environment on its turn's text; the episodes that go on, with the

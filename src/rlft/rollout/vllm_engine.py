@@ -29,9 +29,9 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from rlft.config import VllmSettings
-from rlft.errors import ConfigError, ResumeError, RlftError
+from rlft.errors import ConfigError, RlftError
 from rlft.rollout.contract import Completion, SamplingParams
-from rlft.rollout.seeds import check_engine_state, named_stream_seed, stream_seed
+from rlft.rollout.seeds import call_number, check_engine_state, request_seeds
 from rlft.rollout.vllm_weights import (StalenessTracker, base_model_of, full_state, lora_rank, merged_lora_state,
                                        watched_tensors)
 
@@ -191,19 +191,15 @@ class VLLMEngine:
         `first_prompt` and `streams` name the sampling streams (see `Engine.generate`). Prompts go
         to vLLM as token ids (its TokensPrompt), never as text: a later turn's context is the
         episode's ids as sampled and inserted."""
-        call = self._calls if streams is None else self._calls - 1  # a later turn continues the last call
-        self._calls += streams is None
+        call, self._calls = call_number(self._calls, streams)
         if not prompts:
             return []
-        if streams is not None and len(streams) != len(prompts):
-            raise ValueError(f"{len(streams)} stream names for {len(prompts)} prompts: give one per prompt")
+        # one seed per request (prompt); vLLM seeds its n samples with seed + index
+        seeds = request_seeds(self._seed, self._stream, call, len(prompts), 1, first_prompt, streams)
         self._check_request(params)
         caps = self._token_caps(prompts, params, later_turn=streams is not None)
         self.sync_weights()
         self._wake()
-        # one seed per request (prompt); vLLM seeds its n samples with seed + index
-        seeds = [stream_seed(self._seed, self._stream, call, first_prompt + i) if streams is None
-                 else named_stream_seed(self._seed, self._stream, call, streams[i]) for i in range(len(prompts))]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
                                     [self._vllm_params(params, seed, cap) for seed, cap in zip(seeds, caps)],
                                     lora_request=self._lora_request, use_tqdm=False)

@@ -16,7 +16,7 @@ import torch
 from rlft.algorithms import zero_variance_groups
 from rlft.data.order import PromptSampler
 from rlft.data.prompts import PromptExample
-from rlft.monitor.stats import MetricAccumulator
+from rlft.monitor.stats import world_sums
 from rlft.rewards.scoring import RewardScorer, Scores, score_completions
 from rlft.rollout.contract import Completion, Engine, SamplingParams
 from rlft.rollout.environments import EpisodeRow
@@ -87,7 +87,7 @@ def collect_rollout(engine: Engine, sampler: PromptSampler, prompts: list[Prompt
     scores = Scores.concat(kept_scores)
     metrics = {"time/generate": t_gen, "time/score": t_score}
     if driver is not None:  # every rank (a collective): the step's episodes, not this rank's share
-        metrics.update(episode_metrics([k[1] for k in kept], reduce=lambda counts: _summed(world, counts)))
+        metrics.update(episode_metrics([k[1] for k in kept], reduce=lambda counts: world_sums(world, counts)))
     if dynamic_sampling:
         dropped, kept_groups, sampled_sum, sampled_n = world.sum(
             [dropped, len({g for *_, g in kept}), sum(sampled), len(sampled)])
@@ -96,12 +96,6 @@ def collect_rollout(engine: Engine, sampler: PromptSampler, prompts: list[Prompt
                         "dynamic_sampling/reward_mean_before_filter": sampled_sum / sampled_n if sampled_n
                         else float("nan")})
     return Rollout([k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept], scores, metrics)
-
-
-def _summed(world: World, counts: dict[str, float]) -> dict[str, float]:
-    acc = MetricAccumulator()
-    acc.add(counts)
-    return acc.reduce(world).sums()
 
 
 def _flat_groups(total: list[float | None], groups: list[int]) -> torch.Tensor:

@@ -31,7 +31,7 @@ from rlft.eval.suites import prepare_suites
 from rlft.models.loading import Reference, disable_dropout, load_policy, resolve_device
 from rlft.monitor.checks import infra_error_message
 from rlft.rewards.calls import ScoringInterrupted
-from rlft.monitor.stats import MetricAccumulator
+from rlft.monitor.stats import world_sums
 from rlft.rewards.scoring import RewardScorer, Scores, build_scorer
 from rlft.rollout import (Engine, build_engine, check_prompts_with_tools, rollout_dtype, rollout_engine,
                           sampling_params, turn_driver)
@@ -369,18 +369,12 @@ def _source_metrics(world: World, rollout: Rollout, correct: str, threshold: flo
     return out
 
 
-def world_sums(world: World, metrics: dict[str, float]) -> dict[str, float]:
-    """Counters summed over ranks (every rank sees the same keys: a missing one counts 0)."""
-    acc = MetricAccumulator()
-    acc.add(metrics)
-    return acc.reduce(world).sums()
-
-
-def _check_infra(session: TrainingSession, rollout: Rollout, limit: float, step_start: Any) -> None:
+def _check_infra(session: TrainingSession, rollout: Rollout, limit: float,
+                 rollouts: SyncRollouts | AsyncRollouts) -> None:
     total = [r for rewards in session.world.gather(rollout.rewards) for r in rewards]
     rate = sum(r is None for r in total) / max(len(total), 1)
     if rate > limit:
-        step_start.restore()
+        rollouts.restore()
         path = session.save_checkpoint() if session.step > 0 else None
         raise TrainingHalted(infra_error_message(session.step + 1, rate, limit, path))
 
@@ -406,11 +400,10 @@ def _evaluate(session: TrainingSession, engine: Any, evals: list[PromptExample],
     return metrics, failed
 
 
-def _halt(session: TrainingSession, step_start: Any, message: str) -> None:
+def _halt(session: TrainingSession, rollouts: SyncRollouts | AsyncRollouts, message: str) -> None:
     """Stop the run on a reward, environment or sampler failure, saving the last completed step
     (its state as it was when that step ended: the abandoned step's rollout is undone first)."""
-    if step_start is not None:
-        step_start.restore()
+    rollouts.restore()
     path = session.save_checkpoint() if session.step > 0 else None
     saved = (f"\nThe last completed step ({session.step}) is saved in {path}; after the fix, continue with: "
              f"rlft train --resume {session.run.root}") if path else ""

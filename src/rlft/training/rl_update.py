@@ -212,7 +212,7 @@ def policy_update(trainer: Trainer, batch: RolloutBatch, advantages: Tensor, ref
                 old = None if old_logprobs is None else old_logprobs[micro_rows, : sub.completion_len]
                 ref = ref_logprobs[micro_rows, : sub.completion_len] if use_kl else None
                 # the engine's numbers against the trainer's, before any update (bypass: its first one)
-                measure = old is None or (bypass and applied_steps == 0 and not stepped)
+                measure = old is None or (bypass and not stepped)  # (no step yet: none applied either)
                 with trainer.autocast():
                     loss, m = _micro_loss(model, sub, micro_rows, mask, advantages, old, ref, beta, s, norms, extra,
                                           measure)
