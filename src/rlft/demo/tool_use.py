@@ -55,10 +55,12 @@ class ToolDemoSettings:
     answer_after_call: str | None = None  # and after a call, if otherwise
     format_regex: str = word_problems.FORMAT_REGEX  # the answer form the held-out report counts
     sft_epochs: int = 1
-    sft_lr: float = 1e-3  # LoRA; the loss is ~0.1 from step 10 of 20
+    sft_lr: float = 1e-3  # LoRA; the loss falls from 1.1 to 0.1-0.2 by step 10 of 20
     sft_batch_size: int = 8
     sft_lr_scheduler: str = "cosine"  # after 10% warmup
-    rl_steps: int = 6  # prompts: the training rows after the transcripts'; 12 steps gave 0.90 on 50 problems
+    # Prompts: the training rows after the transcripts'. 6 steps: calls per training episode went
+    # 0.19 -> 0.72 by step 4; a 12-step probe (200 transcripts) gave 0.90 on the first 50 problems.
+    rl_steps: int = 6
     rl_lr: float = 5e-4
     group_size: int = 8
     prompts_per_step: int = 4
