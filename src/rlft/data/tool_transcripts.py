@@ -111,11 +111,11 @@ class TranscriptEncoder:
     """Chat rows -> the token ids and loss mask a TurnDriver episode of the same conversation has."""
 
     def __init__(self, tokenizer: Any, tools: list[Tool], parser: Parser, writer: Writer,
-                 max_tool_output_tokens: int):
+                 max_tool_output_tokens: int, tools_prompt: str | None = None):
         self.tokenizer, self.parser, self.writer = tokenizer, parser, writer
         self.max_tool_output_tokens = max_tool_output_tokens
         self.tool_names = [t.name for t in tools]
-        self.encoder = ObservationEncoder(tokenizer, [t.schema for t in tools], parser.syntax)
+        self.encoder = ObservationEncoder(tokenizer, [t.schema for t in tools], parser.syntax, tools_prompt)
         end_id = self.encoder.turn_end_id()
         if end_id is None:
             raise ConfigError("agent: the chat template ends assistant turns without an end-of-turn token and the "

@@ -1,5 +1,5 @@
 """Tool-use transcripts for the word-problem demo, written by a sloppy annotator: SFT data for a
-cold start before RL with the calculator (not wired into a demo yet).
+cold start before RL with the calculator (`rlft demo --tools`, demo/tool_use.py).
 
 Some traces call the calculator on the problem's expression, read the result and answer with it;
 the others skip the tool and guess, and a guess is often wrong by the slips people make (a carry
@@ -30,10 +30,16 @@ LEAD_INS = ("", "Let me compute that.", "I'll use the calculator.")
 
 @dataclass(frozen=True)
 class Annotator:
-    """How often the annotator uses the calculator, and how often a guess without it is right."""
+    """How often the annotator uses the calculator, how often a guess without it is right, and the
+    sentences it may write before a call (one drawn per call; "" writes the call alone), and how it
+    writes the final answer (with {expression} and {value} filled in): `answer`, or after a call
+    `answer_after_call` when given."""
 
     call_rate: float = 0.3
     guess_accuracy: float = 0.6
+    lead_ins: tuple[str, ...] = LEAD_INS
+    answer: str = "{expression} = {value}. The answer is {value}."
+    answer_after_call: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("call_rate", "guess_accuracy"):
@@ -63,14 +69,15 @@ def sloppy_trace(rng: random.Random, row: dict[str, Any], annotator: Annotator) 
     if rng.random() < annotator.call_rate:
         result = calculator(expression)  # the tool's own output, as a rollout would insert it
         call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
-        messages += [{"role": "assistant", "content": rng.choice(LEAD_INS), "tool_calls": [call]},
+        messages += [{"role": "assistant", "content": rng.choice(annotator.lead_ins), "tool_calls": [call]},
                      {"role": "tool", "name": "calculator", "content": result}]
         value, trace = int(result), "call"
     elif rng.random() < annotator.guess_accuracy:
         value, trace = right, "guess_right"
     else:
         value, trace = slip(rng, op, a, b, right), "guess_wrong"
-    messages.append({"role": "assistant", "content": f"{expression} = {value}. The answer is {value}."})
+    form = annotator.answer_after_call if trace == "call" and annotator.answer_after_call else annotator.answer
+    messages.append({"role": "assistant", "content": form.format(expression=expression, value=value)})
     fields = {k: v for k, v in row.items() if k != "prompt"}
     return {"messages": messages, **fields, "trace": trace}
 

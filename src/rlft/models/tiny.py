@@ -105,9 +105,15 @@ def build_tiny_model(
     size: str = "tiny",
     seed: int = 0,
     overwrite: bool = False,
+    init_std: float = 0.02,
 ) -> Path:
     """Write a random-weight causal LM with tokenizer and chat template to `out_dir`. A folder
-    that already holds files (a trained model, a run) is refused unless `overwrite`."""
+    that already holds files (a trained model, a run) is refused unless `overwrite`.
+
+    `init_std`: the weights' initial standard deviation (config.initializer_range). At 0.02 the
+    attention logits start near zero and the model attends almost uniformly for a long while: SFT
+    to copy "a + b" from "What is a + b?" stayed at the no-copy loss for 400 steps (batch 16, lr
+    3e-3); at 0.08 it copied within ~50 (the tool demo's tiny variant copies numbers into calls)."""
     from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
 
     if arch not in ("qwen2", "llama"):
@@ -129,7 +135,7 @@ def build_tiny_model(
     common = dict(
         vocab_size=len(tokenizer), max_position_embeddings=1024, tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=im_end, rms_norm_eps=1e-6,
-        initializer_range=0.02, **dims,
+        initializer_range=init_std, **dims,
     )
     if arch == "llama":
         config = LlamaConfig(bos_token_id=tokenizer.bos_token_id, **common)

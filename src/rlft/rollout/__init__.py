@@ -66,7 +66,7 @@ def turn_driver(cfg: AgentConfig, engine: Engine, tokenizer: Any, seed: int = 0,
     environment = None if cfg.environment is None else \
         load_environment(cfg.environment, cfg.environment_args, seed, max_prompt_tokens)
     return TurnDriver(engine, tokenizer, load_tools(cfg.tools), pick_parser(cfg.parser, tokenizer.chat_template),
-                      limits, cfg.check_drift, environment)
+                      limits, cfg.check_drift, environment, cfg.tools_prompt)
 
 
 def tool_transcripts(cfg: AgentConfig, tokenizer: Any) -> Any:
@@ -76,7 +76,8 @@ def tool_transcripts(cfg: AgentConfig, tokenizer: Any) -> Any:
     from rlft.rollout.tools import load_tools
 
     return TranscriptEncoder(tokenizer, load_tools(cfg.tools), pick_parser(cfg.parser, tokenizer.chat_template),
-                             pick_writer(cfg.parser, tokenizer.chat_template), cfg.max_tool_output_tokens)
+                             pick_writer(cfg.parser, tokenizer.chat_template), cfg.max_tool_output_tokens,
+                             cfg.tools_prompt)
 
 
 def check_prompts_with_tools(driver: Any, prompts: Sequence[Any], limit: int, budget: int) -> None:

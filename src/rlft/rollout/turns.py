@@ -53,6 +53,24 @@ TOOLS_BLOCK = (
     "answer without a call.")
 
 
+def signature(schema: dict[str, Any]) -> str:
+    """One line for a tool: `name(arg: type, opt?: type): description` (a compact {signatures} entry;
+    the JSON schemas cost a small model's prompt ~100 tokens a tool)."""
+    fn = schema["function"]
+    params = fn.get("parameters", {})
+    required = set(params.get("required", []))
+    args = ", ".join(f"{name}{'' if name in required else '?'}: {spec.get('type', 'any')}"
+                     for name, spec in params.get("properties", {}).items())
+    return f"{fn['name']}({args}): {fn.get('description', '').strip()}".rstrip(": ")
+
+
+def tools_block(block: str, schemas: list[dict[str, Any]], call_syntax: str) -> str:
+    """`block` with its fields filled in by plain replacement (no format string: a block may hold
+    JSON braces as they are)."""
+    return (block.replace("{schemas}", "\n".join(json.dumps(s) for s in schemas))
+            .replace("{signatures}", "\n".join(signature(s) for s in schemas)).replace("{syntax}", call_syntax))
+
+
 @dataclass(frozen=True)
 class AgentLimits:
     max_turns: int = 4
@@ -65,11 +83,13 @@ class AgentLimits:
 
 class ObservationEncoder:
     """Prompts and observations through the chat template, tools presented the template's way (its
-    `tools=` argument) or, for a template without tool support, as a system block (TOOLS_BLOCK)
-    that teaches `call_syntax`, the parser's own (tool_calls.py)."""
+    `tools=` argument) or, for a template without tool support, as a system block (`block`, by default
+    TOOLS_BLOCK; agent.tools_prompt) that teaches `call_syntax`, the parser's own (tool_calls.py)."""
 
-    def __init__(self, tokenizer: Any, schemas: list[dict[str, Any]], call_syntax: str = hermes.syntax):
+    def __init__(self, tokenizer: Any, schemas: list[dict[str, Any]], call_syntax: str = hermes.syntax,
+                 block: str | None = None):
         self.tokenizer, self.schemas, self.call_syntax = tokenizer, schemas, call_syntax
+        self.block = TOOLS_BLOCK if block is None else block
         plain = self._apply(_PROBE, True, None)
         self.native_tools = bool(schemas) and self._apply(_PROBE, True, schemas) != plain
         self.eot_ids = set(end_of_turn_ids(tokenizer))
@@ -82,7 +102,7 @@ class ObservationEncoder:
     def with_tools(self, messages: Messages) -> Messages:
         if not self.schemas or self.native_tools:
             return list(messages)
-        block = TOOLS_BLOCK.format(schemas="\n".join(json.dumps(s) for s in self.schemas), syntax=self.call_syntax)
+        block = tools_block(self.block, self.schemas, self.call_syntax)
         if messages and messages[0]["role"] == "system":
             return [{**messages[0], "content": messages[0]["content"] + "\n\n" + block}, *messages[1:]]
         return [{"role": "system", "content": block}, *messages]
@@ -149,11 +169,11 @@ class TurnDriver:
 
     def __init__(self, engine: Engine, tokenizer: Any, tools: list[Tool], parser: Parser,
                  limits: AgentLimits = AgentLimits(), check_drift: bool = True,
-                 environment: EnvironmentSource | None = None):
+                 environment: EnvironmentSource | None = None, tools_prompt: str | None = None):
         self.engine, self.tokenizer, self.parser, self.limits = engine, tokenizer, parser, limits
         self.check_drift, self.environment = check_drift, environment
         self.tools = {t.name: t for t in tools}
-        self.encoder = ObservationEncoder(tokenizer, [t.schema for t in tools], parser.syntax)
+        self.encoder = ObservationEncoder(tokenizer, [t.schema for t in tools], parser.syntax, tools_prompt)
 
     def run(self, prompts: Sequence[Messages], params: SamplingParams, first_prompt: int = 0,
             rows: Sequence[EpisodeRow] | None = None) -> list[Completion]:
