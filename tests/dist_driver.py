@@ -1,14 +1,15 @@
 """A training run under torchrun (or alone) for tests/test_distributed.py.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/dist_driver.py [replay|replay-calls]
-                                                                       CONFIG.yaml ... [real:CONFIG.yaml ...]
+                                                   CONFIG.yaml ... [calls:CONFIG.yaml ...] [real:CONFIG.yaml ...]
 
 Several configs run one after another in the same processes (a process group is set up once: the
 tests pay the processes' start-up once). `replay` swaps the rollout engine for one whose completions depend only on (prompt, sample index,
 call): the same in one process and on two ranks, so a test can compare the two runs' parameters
 on "the same sampled completions and rewards" -- real sampling can flip one token when two
 layouts' logits differ in the last float bit, and the runs then part ways. `real:CONFIG` runs with
-the engine the config names (the HF engine, or vLLM), and so does every config after it.
+the engine the config names (the HF engine, or vLLM), and so does every config after it;
+`calls:CONFIG` runs with the `replay-calls` engine (below), and so does every config after it.
 `replay-calls`: the replay engine writes a calculator call as every other completion (by its
 stream), so the runs' agent sections get multi-turn episodes; and, as a real engine's, a sample
 cut by a lower max_new_tokens is a prefix of the longer one (the turn driver asks each round for
@@ -98,6 +99,9 @@ def main() -> int:
     for config in args:
         if config.startswith("real:"):  # a real engine from here on (the config says which)
             online.rollout_engine, config = real, config.removeprefix("real:")
+        elif config.startswith("calls:"):  # the replay engine writing tool calls from here on
+            use_replay_engine(tool_calls=True)
+            config = config.removeprefix("calls:")
         status.append(train(config)["status"])
     return 0 if all(s == "completed" for s in status) else 1
 

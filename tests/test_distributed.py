@@ -119,7 +119,8 @@ RUNS = [("sft", False), ("sft", True), ("dpo", False), ("grpo", False), ("grpo",
 @pytest.fixture(scope="module")
 def two_ranks(root) -> subprocess.CompletedProcess:
     """Every method of RUNS trained on two ranks, the full fine-tunes with a held-out eval (and SFT
-    resumed), then GRPO with the real engines: the HF engine, and a vLLM engine per rank (one
+    resumed), then GRPO with the real engines: the HF engine (synchronous, then with
+    rollout.async_steps=1), and a vLLM engine per rank (one
     torchrun: the processes start once; the vLLM run last, since an engine leaves its process
     group behind it when it closes)."""
     runs = [config(root, m, f"{m}{'-lora' if lora else ''}-2", lora) for m, lora in RUNS]
@@ -132,12 +133,14 @@ def two_ranks(root) -> subprocess.CompletedProcess:
     held_out = [config(root, m, f"{m}-eval-2", held_out=True, max_steps=2, eval_every=1, precision="fp32")
                 for m in ("sft", "dpo")]
     hf = config(root, "grpo", "grpo-hf-2", precision="fp32")
+    hf_async = async_config(root, "async-hf-2")  # rollout.async_steps=1 on two ranks, the HF engine
     vllm = config(root, "grpo", "grpo-vllm-2", precision="fp32")
     cfg = yaml.safe_load(vllm.read_text())
     cfg["rollout"].update(engine="vllm", vllm={"kv_cache_bytes": 1 << 26})
     vllm.write_text(yaml.safe_dump(cfg))
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           DRIVER, "replay", *map(str, runs + held_out + [more]), f"real:{hf}", str(vllm)],
+                           DRIVER, "replay", *map(str, runs + held_out + [more]), f"real:{hf}", str(hf_async),
+                           str(vllm)],
                           capture_output=True, text=True, timeout=900, env=ENV)
 
 
@@ -227,6 +230,104 @@ def test_a_run_killed_on_one_world_size_resumes_on_another(root, first, then):
     assert in_process(config(root, "grpo", f"whole-{name}", max_steps=4))["status"] == "completed"
     assert_close_weights(root / name, root / f"whole-{name}", atol=1e-5)
     assert [r["step"] for r in metrics(root / name)] == [1, 2, 3, 4]
+
+
+def async_config(root: Path, name: str, output: str | None = None, agent: bool = False, **training) -> Path:
+    """GRPO with rollout.async_steps=1 (a sampler thread per rank, one step ahead; tis corrects for
+    it), written to NAME.yaml and training into `output` (default NAME). fp32 (config()): the
+    layouts are compared to 1e-5, float32 summation-order noise. `agent`: calculator episodes,
+    with room for the replay engine's calls (dist_driver.py's replay-calls)."""
+    path = config(root, "grpo", name, **training)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["rollout"]["async_steps"] = 1
+    cfg["algorithm"] = {"rollout_correction": "tis"}
+    cfg["output_dir"] = str(root / (output or name))
+    if agent:
+        cfg["rollout"]["max_new_tokens"] = 80
+        cfg["agent"] = {"tools": ["calculator"], "max_turns": 2, "max_total_tokens": 200}
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_two_ranks_with_async_rollouts_train_what_one_process_trains(root, two_ranks):
+    """Each rank's sampler thread samples its share of every batch from the weights the trainer
+    published (gathered from the shards in the loop's thread; no collective off it): after 3
+    steps at k = 1 the same completions and rewards as one process at k = 1, the parameters to
+    1e-5. The real HF engine, since a stale or partial copy would sample other tokens (the replay
+    engine below ignores the weights); sampling runs on whole fp32 copies in both layouts, so the
+    weights' summation-order noise (~1e-7) is far too small to flip a sampled token."""
+    assert two_ranks.returncode == 0, two_ranks.stderr[-3000:]
+    assert in_process(async_config(root, "async-hf-1"), replay=False)["status"] == "completed"
+    assert_close_weights(root / "async-hf-2", root / "async-hf-1", atol=1e-5)
+    m2, m1 = metrics(root / "async-hf-2"), metrics(root / "async-hf-1")
+    assert [r["step"] for r in m2] == [r["step"] for r in m1] == [1, 2, 3]
+    assert [r["rollout/staleness_max"] for r in m2] == [0.0, 1.0, 1.0]
+    assert [r["reward/mean"] for r in m2] == [r["reward/mean"] for r in m1]
+    assert [r["completion/tokens"] for r in m2] == [r["completion/tokens"] for r in m1]
+    assert [r["loss"] for r in m2] == pytest.approx([r["loss"] for r in m1], rel=1e-5, abs=1e-7)
+
+
+@pytest.fixture(scope="module")
+def async_replay(root) -> subprocess.CompletedProcess:
+    """Async runs on two ranks with the replay engine (dist_driver.py; one launch): a 3-step run;
+    the same run stopped after step 1 and continued to 3 (its checkpoint holds the sampler's
+    batch 2, sampled but not trained); one stopped after step 1 to be continued in one process,
+    and one begun in one process continued here; agent episodes (replay-calls)."""
+    async_config(root, "async-1to2", max_steps=1)
+    assert in_process(root / "async-1to2.yaml")["status"] == "completed"
+    runs = [async_config(root, "async-2"), async_config(root, "async-stop-2", max_steps=1),
+            async_config(root, "async-stop-2-more", output="async-stop-2"), async_config(root, "async-2to1", max_steps=1),
+            async_config(root, "async-1to2-more", output="async-1to2"),
+            f"calls:{async_config(root, 'async-agent-2', agent=True)}"]
+    return launch(*runs)
+
+
+@pytest.mark.slow  # a launch of six runs (~1 min); make test-slow
+def test_an_async_run_on_two_ranks_stopped_and_continued_is_exact(root, async_replay):
+    """Stopped after step 1 and continued to 3 on the same two ranks: the checkpoint holds the
+    queued batches whole (both ranks' shares), each rank takes its share back, and the run ends
+    bit for bit where the uninterrupted one ends -- which is where one process ends, to 1e-5."""
+    assert async_replay.returncode == 0, async_replay.stderr[-3000:]
+    state = torch.load(root / "async-stop-2" / "checkpoints" / "step-00000001" / "trainer_state.pt",
+                       weights_only=False)["parts"]["rollouts"]
+    # batches 1 and 2, whole: both ranks' groups (4 prompts x 4 samples)
+    assert state["first"] == 1 and [sorted(set(r.group_ids)) for r in state["rollouts"]] == [[0, 1, 2, 3]] * 2
+    assert all(len(r.completions) == 16 for r in state["rollouts"])
+    stopped, whole = weights(root / "async-stop-2"), weights(root / "async-2")
+    assert all(torch.equal(stopped[k], whole[k]) for k in whole)
+    assert [r["loss"] for r in metrics(root / "async-stop-2")] == [r["loss"] for r in metrics(root / "async-2")]
+    assert in_process(async_config(root, "async-1"))["status"] == "completed"
+    assert_close_weights(root / "async-2", root / "async-1", atol=1e-5)
+    assert [r["reward/mean"] for r in metrics(root / "async-2")] == [r["reward/mean"] for r in metrics(root / "async-1")]
+
+
+@pytest.mark.slow
+def test_an_async_run_moves_between_world_sizes(root, async_replay):
+    """Stopped on two ranks after step 1 and continued in one process, or the other way round: the
+    run ends where one process ends (to 1e-5, the layouts' summation order)."""
+    assert async_replay.returncode == 0, async_replay.stderr[-3000:]
+    assert in_process(async_config(root, "async-2to1-more", output="async-2to1"))["status"] == "completed"
+    if not (root / "async-1" / "final").exists():
+        assert in_process(async_config(root, "async-1"))["status"] == "completed"
+    for moved in ("async-2to1", "async-1to2"):
+        assert [r["step"] for r in metrics(root / moved)] == [1, 2, 3]
+        assert_close_weights(root / moved, root / "async-1", atol=1e-5)
+        assert [r["loss"] for r in metrics(root / moved)] == \
+               pytest.approx([r["loss"] for r in metrics(root / "async-1")], rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.slow
+def test_async_agent_episodes_on_two_ranks_log_the_whole_steps_metrics(root, async_replay):
+    """Calculator episodes (replay-calls) at k = 1: each rank's sampler thread runs its share's
+    episodes; the agent metrics, summed over ranks in the loop's thread, equal one process's."""
+    assert async_replay.returncode == 0, async_replay.stderr[-3000:]
+    assert in_process(async_config(root, "async-agent-1", agent=True), tool_calls=True)["status"] == "completed"
+    assert_close_weights(root / "async-agent-2", root / "async-agent-1", atol=1e-5)
+    a2, a1 = metrics(root / "async-agent-2"), metrics(root / "async-agent-1")
+    keys = [k for k in a1[0] if k.startswith("agent/") and "latency" not in k]
+    assert "agent/tool_calls_mean" in keys and all(r["agent/tool_calls_mean"] > 0.2 for r in a1)
+    for r2, r1 in zip(a2, a1):
+        assert {k: r2[k] for k in keys} == pytest.approx({k: r1[k] for k in keys}, rel=1e-12)
 
 
 def test_a_dead_rank_ends_the_job_instead_of_hanging_it(root):

@@ -88,6 +88,13 @@ def test_async_rollouts_hold_the_sampler_while_training(qwen7b):
     assert "rollout" not in k2.phases and "host memory" in " ".join(k2.assumptions)  # GPU: versions in host memory
     cpu = plan_memory(qwen7b, PlanInput(**{**s.__dict__, "async_steps": 2, "device_type": "cpu"}))
     assert by_name(cpu)["3 published weight versions"] == 3 * 2 * 7_615_616_512
+    # two ranks: the whole weights each rank gathers for sampling are held throughout, not only
+    # while sampling (published from after every step while the sampler samples)
+    ranks = {c.name: c.phases for c in plan_memory(qwen7b, PlanInput(**{**s.__dict__, "world_size": 2})).components}
+    ranks_k2 = {c.name: c.phases for c in plan_memory(qwen7b, PlanInput(**{**s.__dict__, "async_steps": 2,
+                                                                            "world_size": 2})).components}
+    assert ranks["gathered weights for sampling"] == ("rollout",)
+    assert ranks_k2["gathered weights for sampling"] == ("static",)
 
 
 def test_layer_activations_hand_computed():

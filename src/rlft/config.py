@@ -233,7 +233,8 @@ class RolloutConfig(Section):
         0, ge=0, description="k: a sampler thread generates the next batches while the trainer trains, at most k "
                              "optimizer steps behind (batch j samples from the weights after exactly max(0, j-k) "
                              "steps, so a run does not depend on timing); 0: generate, then train, in turn. k > 0 "
-                             "needs algorithm.rollout_correction (tis or bypass).")
+                             "needs algorithm.rollout_correction (tis or bypass). Under torchrun each rank's "
+                             "sampler samples its share of the prompts (the hf engine; vLLM: one process so far).")
 
     @model_validator(mode="after")
     def _vllm_sampling(self) -> "RolloutConfig":

@@ -40,9 +40,10 @@ def check_launch(config: Config, nproc: int) -> None:
     check_devices(nproc, device.type)
     if config.model.quantization != "none":  # FSDP2 cannot shard bitsandbytes' packed parameters
         raise ConfigError("model.quantization=4bit trains on one GPU; run without --nproc / torchrun")
-    if nproc > 1 and config.rollout.async_steps:  # no collectives from its sampler thread
-        raise ConfigError(f"rollout.async_steps={config.rollout.async_steps} runs in one process so far; run "
-                          "without --nproc, or set rollout.async_steps=0")
+    if nproc > 1 and config.rollout.async_steps:
+        from rlft.training.rollout_source import check_async_ranks
+
+        check_async_ranks(config)
     preflight(config)
     data = config.data
     sources = [data.train] if isinstance(data.train, str) else [s.path for s in data.train]

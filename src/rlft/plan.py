@@ -515,9 +515,10 @@ def _rollout(m: ModelShape, s: PlanInput, out: list[Component], notes: list[str]
     prefill = prompts * prompt_len * (4 * m.hidden + 3 * m.intermediate) * b + 5 * gen_rows * m.vocab * 4
     out.append(Component("prefill + sampling working set", prefill, phase,
                          f"one layer at a time, {prompts} prompts; [rows, V] probs"))
-    if n > 1:
-        out.append(Component("gathered weights for sampling", m.params() * DTYPE_BYTES[s.param_dtype], ("rollout",),
-                             "the hf engine samples with full (unsharded) weights on each rank"))
+    if n > 1:  # async: published from (and evaluated on) while the sampler samples, so held throughout
+        out.append(Component("gathered weights for sampling", m.params() * DTYPE_BYTES[s.param_dtype], phase,
+                             "the hf engine samples with full (unsharded) weights on each rank" +
+                             ("; the async sampler's copy is loaded from them" if s.async_steps else "")))
 
 
 def _async_sampler(m: ModelShape, s: PlanInput, out: list[Component], notes: list[str]) -> None:

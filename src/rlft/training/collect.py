@@ -45,7 +45,8 @@ def collect_rollout(engine: Engine, sampler: PromptSampler, prompts: list[Prompt
                     max_rounds: int = 3, world: World = SINGLE, driver: TurnDriver | None = None) -> Rollout:
     """A step's scored completions. In a distributed run every rank draws the same global prompts
     and generates its own share of them (group ids stay global: a prompt's G completions live on
-    one rank). With a turn `driver` each completion is a whole multi-turn episode."""
+    one rank). With a turn `driver` each completion is a whole multi-turn episode. Only dynamic
+    sampling's rounds and metrics run collectives here; `reduce_rollout` adds the rest."""
     t_gen = t_score = 0.0
     kept: list[tuple[PromptExample, Completion, int]] = []  # (example, completion, group id)
     kept_scores: list[Scores] = []
@@ -53,7 +54,10 @@ def collect_rollout(engine: Engine, sampler: PromptSampler, prompts: list[Prompt
     rounds, dropped, next_group = 0, 0, 0
     while True:
         rounds += 1
-        need = prompts_per_step - int(world.sum([len({g for *_, g in kept})])[0])
+        # round 1 keeps nothing yet, so it needs no collective: a sampler thread (async) only runs
+        # round 1 (dynamic sampling, the later rounds, is refused with async_steps)
+        need = prompts_per_step if rounds == 1 else \
+            prompts_per_step - int(world.sum([len({g for *_, g in kept})])[0])
         first_draw = sampler.drawn
         drawn = [prompts[i] for i in sampler.take(need)]
         first, stop = world.share(len(drawn))
@@ -86,8 +90,6 @@ def collect_rollout(engine: Engine, sampler: PromptSampler, prompts: list[Prompt
             break
     scores = Scores.concat(kept_scores)
     metrics = {"time/generate": t_gen, "time/score": t_score}
-    if driver is not None:  # every rank (a collective): the step's episodes, not this rank's share
-        metrics.update(episode_metrics([k[1] for k in kept], reduce=lambda counts: world_sums(world, counts)))
     if dynamic_sampling:
         dropped, kept_groups, sampled_sum, sampled_n = world.sum(
             [dropped, len({g for *_, g in kept}), sum(sampled), len(sampled)])
@@ -96,6 +98,14 @@ def collect_rollout(engine: Engine, sampler: PromptSampler, prompts: list[Prompt
                         "dynamic_sampling/reward_mean_before_filter": sampled_sum / sampled_n if sampled_n
                         else float("nan")})
     return Rollout([k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept], scores, metrics)
+
+
+def reduce_rollout(rollout: Rollout, world: World, episodes: bool) -> None:
+    """The batch's metrics that need every rank (collectives), added in the loop's thread when it
+    takes the batch: a sampler thread (async) computes only this rank's share. `episodes`: agent
+    metrics over the step's episodes, not this rank's share."""
+    if episodes:
+        rollout.metrics.update(episode_metrics(rollout.completions, reduce=lambda counts: world_sums(world, counts)))
 
 
 def _flat_groups(total: list[float | None], groups: list[int]) -> torch.Tensor:

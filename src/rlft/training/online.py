@@ -43,7 +43,7 @@ from rlft.training.rl_update import UpdateSettings, policy_update, reference_log
 from rlft.training.distill import Teacher, load_teacher
 from rlft.training.distributed import SINGLE, World, gather_rows, shard
 from rlft.training.rollout_source import (AsyncRollouts, RolloutMaker, SamplerFailed, SharedScorer, SyncRollouts,
-                                          sampler_copy)
+                                          check_async_ranks, sampler_copy)
 from rlft.training.session import TrainingSession, evaluation, open_run, run_precision, session_for
 from rlft.training.sft_mix import build_sft_mix
 
@@ -105,9 +105,7 @@ def build_online(config: Config, session: TrainingSession, sample_dtype: torch.d
     a, d, sc, policy, world = config.algorithm, config.data, config.scoring, session.policy, session.world
     k = config.rollout.async_steps
     if k and world.active:
-        raise ConfigError(f"rollout.async_steps={k} runs in one process so far (its sampler thread would gather "
-                          "across ranks beside the trainer's collectives); launch without torchrun, or set "
-                          "rollout.async_steps=0")
+        check_async_ranks(config)
     scorer = _scorer(config, session)
     needs = scorer.required_fields
     train_rows = read_train_rows(d, config.seed, lambda path: load_prompts(d, policy.tokenizer, path, d.split,
@@ -139,7 +137,7 @@ def build_online(config: Config, session: TrainingSession, sample_dtype: torch.d
     critic = build_critic(config, session, settings, total) if a.advantage == "gae" else None
     maker = RolloutMaker(sample_engine, sampler, prompts, scorer, params, config.rollout.prompts_per_step,
                          a.dynamic_sampling, a.dynamic_sampling_max_rounds, world, driver)
-    rollouts, eval_scorer = _rollout_source(k, maker, policy.unsharded().model, sampler_model)
+    rollouts, eval_scorer = _rollout_source(k, maker, policy.unsharded().model, sampler_model, session.sync_mirror)
 
     for name, part in (*rollouts.parts().items(), ("kl", kl_ctl), ("update_generator", update_gen),
                        ("critic", critic), ("sft_mix", sft_mix)):
@@ -158,16 +156,18 @@ def _scorer(config: Config, session: TrainingSession) -> RewardScorer:
                         else None, warn=None)
 
 
-def _rollout_source(k: int, maker: RolloutMaker, trainer_model: Any,
-                    sampler_model: Any) -> tuple[SyncRollouts | AsyncRollouts, Any]:
-    """The rollouts of `maker`, in turn (k = 0) or from a sampler thread; and the scorer evaluations
-    use (async: the same rewards, each side's calls and reports taken under one lock)."""
+def _rollout_source(k: int, maker: RolloutMaker, trainer_model: Any, sampler_model: Any,
+                    sync: Any) -> tuple[SyncRollouts | AsyncRollouts, Any]:
+    """The rollouts of `maker`, in turn (k = 0) or from a sampler thread, which samples from
+    `trainer_model`'s weights as `sync` brings them up to the trained ones (a distributed run's
+    mirror); and the scorer evaluations use (async: the same rewards, each side's calls and
+    reports taken under one lock)."""
     if not k:
         return SyncRollouts(maker), maker.scorer
     lock = threading.Lock()
     real = maker.scorer
     maker.scorer = SharedScorer(real, lock)
-    return AsyncRollouts(maker, k, trainer_model, sampler_model), SharedScorer(real, lock)
+    return AsyncRollouts(maker, k, trainer_model, sampler_model, sync), SharedScorer(real, lock)
 
 
 def _engines(config: Config, policy: Any, dtype: torch.dtype | None) -> tuple[Engine, Engine, Any]:

@@ -11,13 +11,21 @@ itself, with the live weights.
 
 The sampler thread owns its engine (only it calls generate and sync_weights) and samples from its
 own copy of the policy, into which it loads the CPU snapshot the trainer published for the version
-it needs; it never issues a collective (async runs are one process). Pacing bounds the queue: at
-most k + 1 finished batches wait, and at most k + 1 snapshots are held.
+it needs. Pacing bounds the queue: at most k + 1 finished batches wait, and at most k + 1
+snapshots are held.
+
+Several ranks (torchrun): each rank's sampler thread samples its share of every batch's prompts,
+as the synchronous run does (`collect_rollout`), and never issues a collective: those of a batch
+(the episode metrics' sums, the vote on a failure) run in the loop's thread when it takes the
+batch, and publishing reads the trainer's whole weights after the session gathered them from
+the shards (`sync`, the mirror sync every synchronous step runs), every rank together.
 
 Checkpoints: in an async run the queue is the state part that holds the prompt order and the
 sampling streams. Saving it first lets the sampler finish every batch that needs only versions
 which exist (b <= trained + k), so the saved batches, prompt order and streams resume to the same
-trajectory as a run that never stopped.
+trajectory as a run that never stopped. The saved batches are the whole step's (every rank's
+share, gathered in the loop's thread), so a run resumes on any number of ranks, as a synchronous
+one does: each rank takes its share again.
 """
 
 from __future__ import annotations
@@ -28,17 +36,18 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from rlft.data.order import PromptSampler
 from rlft.data.prompts import PromptExample
-from rlft.errors import EnvironmentFailed, RewardError, RlftError
+from rlft.errors import ConfigError, EnvironmentFailed, RewardError, RlftError
+from rlft.rewards.scores import Scores
 from rlft.rewards.scoring import RewardScorer
 from rlft.rollout.contract import Completion, Engine, SamplingParams
 from rlft.training import checkpoint as ckpt
-from rlft.training.collect import Rollout, collect_rollout
+from rlft.training.collect import Rollout, collect_rollout, reduce_rollout
 from rlft.training.distributed import SINGLE, World
 
 log = logging.getLogger(__name__)
@@ -73,9 +82,25 @@ class RolloutMaker:
             c.policy_version = version
         return rollout
 
+    def reduce(self, rollout: Rollout) -> None:
+        """The batch's metrics over every rank (collectives): in the loop's thread, when it takes it."""
+        reduce_rollout(rollout, self.world, episodes=self.driver is not None)
+
     def parts(self) -> dict[str, Any]:
-        """What sampling advances: the prompt order and the engine's sampling streams."""
+        """What sampling advances: the prompt order and the engine's sampling streams (the same
+        on every rank: every rank draws every prompt and counts every engine call)."""
         return {"sampler": self.sampler, "engine": self.engine}
+
+
+def check_async_ranks(config: Any) -> None:
+    """What rollout.async_steps > 0 cannot do on several ranks yet, with the reason (checked by the
+    launcher before ranks start, and by each rank under a plain torchrun)."""
+    r = config.rollout
+    if r.engine == "vllm":
+        raise ConfigError(f"rollout.async_steps={r.async_steps} with rollout.engine=vllm runs in one process so far: "
+                          "a vLLM engine built in a rank joins the job's process group, and its weight pushes and "
+                          "generation from the sampler thread beside the training collectives are not checked yet; "
+                          "use rollout.engine=hf, launch without --nproc / torchrun, or set rollout.async_steps=0")
 
 
 def staleness_metrics(batch: int, completions: list[Completion]) -> dict[str, float]:
@@ -121,6 +146,7 @@ class SyncRollouts:
         start = time.perf_counter()
         self._start = StepStart(self.parts())
         rollout = self.maker.make(self.consumed)
+        self.maker.reduce(rollout)
         rollout.metrics.update(staleness_metrics(self.consumed, rollout.completions))
         rollout.metrics["time/rollout_wait"] = time.perf_counter() - start
         return rollout
@@ -191,8 +217,11 @@ class AsyncRollouts:
     """k > 0: a sampler thread makes batch b from version max(0, b - k) into a queue the loop
     takes batch b from (see the module docstring)."""
 
-    def __init__(self, maker: RolloutMaker, k: int, trainer_model: Any, sampler_model: Any):
-        self.maker, self.k = maker, k
+    def __init__(self, maker: RolloutMaker, k: int, trainer_model: Any, sampler_model: Any,
+                 sync: Callable[[], None] = lambda: None):
+        """`trainer_model`: whole weights (a distributed run's mirror), brought up to the trained
+        ones by `sync` (a collective there) before each publish."""
+        self.maker, self.k, self._sync = maker, k, sync
         self._trained = trained_tensors(trainer_model)
         own = dict(sampler_model.named_parameters())
         self._targets = [(name, own[name]) for name, _ in self._trained]
@@ -218,12 +247,21 @@ class AsyncRollouts:
     def take(self) -> Rollout:
         start = time.perf_counter()
         b = self.consumed
+        failed: BaseException | None = None
         with self._cv:
-            self._wait(lambda: b in self._ready or self._failure is not None and self._failure[0] <= b)
-            if b not in self._ready:
-                raise self._failure_error()
-            self._taken = self._ready.pop(b)
+            try:
+                self._wait(lambda: b in self._ready or self._failure is not None and self._failure[0] <= b)
+            except SamplerFailed as exc:
+                failed = exc
+            if failed is None and b not in self._ready:
+                failed = self._failure_error()
+            if failed is None:
+                self._taken = self._ready.pop(b)
+        failed = self._first_failure(failed)
+        if failed is not None:  # every rank stops at this batch (the loop then saves, together)
+            raise failed
         rollout = self._taken
+        self.maker.reduce(rollout)
         rollout.metrics.update(staleness_metrics(b, rollout.completions))
         rollout.metrics["time/rollout_wait"] = time.perf_counter() - start
         return rollout
@@ -242,6 +280,7 @@ class AsyncRollouts:
     def _publish(self) -> None:
         """A CPU copy of the trainer's weights as version `consumed`; the sampler loads it when a
         batch needs it (the trainer's own tensors are never read by the sampler thread)."""
+        self._sync()
         snapshot = {name: p.detach().to("cpu", copy=True) for name, p in self._trained}
         with self._cv:
             self._snapshots[self.consumed] = snapshot
@@ -253,6 +292,20 @@ class AsyncRollouts:
             if self._thread is not None and not self._thread.is_alive() and not ready():
                 raise SamplerFailed("the sampler thread ended without a result (see the log)")
             self._cv.wait(timeout=0.5)
+
+    def _first_failure(self, own: BaseException | None) -> BaseException | None:
+        """This rank's failure, or another rank's (a collective: every rank stops at the same batch,
+        so their collectives stay paired)."""
+        world = self.maker.world
+        if not world.active:
+            return own
+        reasons = world.gather(None if own is None else f"{type(own).__name__}: {own}")
+        if own is not None:
+            return own
+        for rank, reason in enumerate(reasons):
+            if reason is not None:
+                return SamplerFailed(f"rank {rank} stopped on its sampler's error ({reason})")
+        return None
 
     def _failure_error(self) -> BaseException:
         batch, exc = self._failure
@@ -273,18 +326,37 @@ class AsyncRollouts:
         """Drain first: every batch that needs only published versions (b <= consumed + k) is
         finished, and the sampler waits, so the prompt order and streams are read at rest. A
         sampler that failed stopped short of that: the older versions its next batches need are
-        saved too (a resume has only the checkpoint's weights, the newest version)."""
+        saved too (a resume has only the checkpoint's weights, the newest version).
+
+        Every rank calls this together (the session saves in the loop's thread): the ranks'
+        shares are gathered into whole batches, up to the batch the least advanced sampler (one
+        that failed) reached, with that rank's prompt order and streams."""
         with self._cv:
             self._wait(lambda: self._next > self.consumed + self.k or self._failure is not None)
             batches = ([self._taken] if self._taken is not None else []) + \
-                      [self._ready[b] for b in sorted(self._ready)]
-            older = {v: w for v, w in self._snapshots.items() if max(0, self._next - self.k) <= v < self.consumed}
-            return {"first": self.consumed, "next": self._next, "rollouts": batches, "snapshots": older,
-                    "parts": {name: part.state_dict() for name, part in self.maker.parts().items()}}
+                      [self._ready[b] for b in sorted(self._ready)]  # batches consumed .. next - 1
+            local = {"next": self._next, "rollouts": batches,
+                     "parts": {name: part.state_dict() for name, part in self.maker.parts().items()}}
+            own = dict(self._snapshots)
+        world = self.maker.world
+        ranks = world.gather(local)
+        low = min(ranks, key=lambda r: r["next"])
+        needed = range(max(0, low["next"] - self.k), self.consumed)
+        older = {v: w for v, w in own.items() if v in needed}
+        if needed:  # a sampler failed (the same on every rank): one of them kept every version
+            for part in world.gather(older):
+                older.update(part)
+        whole = [merge_shares(list(shares)) for shares in zip(*(r["rollouts"] for r in ranks))] \
+            if world.active else batches
+        return {"first": self.consumed, "next": low["next"], "rollouts": whole[: low["next"] - self.consumed],
+                "snapshots": older, "parts": low["parts"]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        world = self.maker.world
+        first, stop = world.share(self.maker.prompts_per_step)  # this rank's groups, as collect_rollout shares them
         self.consumed, self._next = state["first"], state["next"]
-        self._ready = {state["first"] + i: r for i, r in enumerate(state["rollouts"])}
+        self._ready = {state["first"] + i: rank_share(r, first, stop, world.main) if world.active else r
+                       for i, r in enumerate(state["rollouts"])}
         self._snapshots = dict(state["snapshots"])
         for name, part in self.maker.parts().items():
             part.load_state_dict(state["parts"][name])
@@ -329,3 +401,25 @@ class AsyncRollouts:
             for name, target in self._targets:
                 target.copy_(snapshot[name])
         self.maker.engine.sync_weights()  # vLLM: pushes the copy's new weights
+
+
+def merge_shares(shares: list[Rollout]) -> Rollout:
+    """The ranks' shares of one batch (in rank order, the order of the step's prompts) as the
+    whole batch. Timings are rank 0's (what it logs); the scorer's counts are summed."""
+    report: dict[str, float] = {}
+    for share in shares:
+        for key, value in share.scoring_report[0].items():
+            report[key] = report.get(key, 0.0) + value
+    return Rollout([e for s in shares for e in s.examples], [c for s in shares for c in s.completions],
+                   [g for s in shares for g in s.group_ids], Scores.concat([s.scores for s in shares]),
+                   dict(shares[0].metrics), (report, [line for s in shares for line in s.scoring_report[1]]))
+
+
+def rank_share(rollout: Rollout, first: int, stop: int, main: bool) -> Rollout:
+    """A rank's share of a whole batch: the completions of groups [first, stop). The scorer's
+    counts and warnings go to rank 0 alone (the loop sums them over ranks)."""
+    pick = [i for i, g in enumerate(rollout.group_ids) if first <= g < stop]
+    counts, lines = rollout.scoring_report
+    report = (counts, lines) if main else ({key: 0.0 for key in counts}, [])
+    return Rollout([rollout.examples[i] for i in pick], [rollout.completions[i] for i in pick],
+                   [rollout.group_ids[i] for i in pick], rollout.scores.subset(pick), dict(rollout.metrics), report)
