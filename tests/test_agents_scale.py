@@ -336,3 +336,23 @@ def test_an_agent_run_killed_after_a_checkpoint_resumes_bitwise(calc, tmp_path):
     assert rows("whole") == rows("killed") and [r["step"] for r in rows("whole")] == [1, 2]
     assert all(r["agent/tool_calls_mean"] > 0.5 for r in rows("whole"))
     assert (tmp_path / "whole" / "samples.jsonl").read_text() == (tmp_path / "killed" / "samples.jsonl").read_text()
+
+
+@pytest.mark.slow  # vLLM start-up; make test runs the driver on vLLM (test_vllm_engine.py), this the whole loop
+def test_grpo_with_tools_on_the_vllm_engine_stays_on_policy(calc, tmp_path):
+    """Two GRPO steps whose episodes are sampled by vLLM: the engine's log-probs of the model's own
+    tokens equal the trainer's on the masked episode (fp32 rounding), the calculator is called
+    and read, and the update moves the weights."""
+    from rlft.api import train
+    from safetensors.torch import load_file
+
+    cfg = agent_config(calc, "vllm", rollout={"engine": "vllm"}, training={"max_steps": 2, "learning_rate": 1e-3})
+    cfg["output_dir"] = str(tmp_path / "vllm")
+    assert train(cfg)["status"] == "completed"
+    rows = _metric_rows(tmp_path / "vllm")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["rollout/logprob_diff_max"] < 1e-3 for r in rows), [r["rollout/logprob_diff_max"] for r in rows]
+    assert all(r["agent/tool_calls_mean"] > 0.5 and r["agent/tool_token_frac"] > 0 for r in rows)
+    before = load_file(str(calc / "model" / "model.safetensors"))
+    after = load_file(str(tmp_path / "vllm" / "final" / "model.safetensors"))
+    assert any(not torch.equal(before[k], after[k]) for k in before if k in after)
