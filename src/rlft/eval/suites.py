@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from rlft.config import EvalSuite, SuiteSampling
+from rlft.config import EvalSuite
 from rlft.data.prompts import PromptExample
 from rlft.eval.generation import evaluate_prompts
 from rlft.eval.metrics import length_stats, maj_at_k, normalize_answer
