@@ -174,13 +174,15 @@ def _engines(config: Config, policy: Any, dtype: torch.dtype | None) -> tuple[En
     """(the engine evaluations use, the engine rollouts use, the module the rollout engine samples
     from). Synchronous: one engine on the trainer's own (unsharded) module. Async: the sampler's
     engine gets its own copy of the policy; evaluations sample the live weights on the loop's
-    thread with the hf engine (a vLLM engine is the sampler thread's alone)."""
+    thread with the hf engine (a vLLM engine is the sampler thread's alone). rollout.sampler
+    'process' (auto: with the hf engine): the sampler thread's engine generates in a child process,
+    from the copy's storages in shared memory (rollout/sampler_process.py)."""
     r = config.rollout
     if not r.async_steps:
         engine = rollout_engine(r, policy, config.seed, dtype)
         return engine, engine, policy.model
     copy_ = sampler_copy(policy, torch.device("cpu") if r.engine == "vllm" else None)
-    sample_engine = rollout_engine(r, copy_, config.seed, dtype)
+    sample_engine = rollout_engine(r, copy_, config.seed, dtype, process=r.sampler != "thread")
     engine = build_engine(policy, config.seed, "hf", r.batch_size, r.fast_decode, dtype=dtype)
     return engine, sample_engine, copy_.model
 
