@@ -219,7 +219,7 @@ def test_a_failing_sampler_stops_with_a_checkpoint_and_resumes_identically(root,
         return real(self, prompts, params, first_prompt)
 
     monkeypatch.setattr(HFEngine, "generate", flaky)
-    cfg = grpo(root, "failing-k1", 1)
+    cfg = grpo(root, "failing-k1", 1, rollout={"sampler": "thread"})  # the patch holds in this process
     with pytest.raises(TrainingHalted) as exc:
         train(cfg)
     message = str(exc.value)
