@@ -52,7 +52,6 @@ def test_the_engine_in_a_process_returns_what_the_engine_in_process_returns(tmp_
     from rlft.models.tiny import build_tiny_model
     from rlft.rollout import build_engine
     from rlft.rollout.contract import SamplingParams
-    from rlft.rollout.hf import generation_stop_ids
     from rlft.rollout.sampler_process import ProcessEngine, SamplerProcessFailed
     from rlft.training.rollout_source import sampler_copy
 
@@ -60,9 +59,7 @@ def test_the_engine_in_a_process_returns_what_the_engine_in_process_returns(tmp_
     policy = load_policy(ModelConfig(path=str(tmp_path / "model")), LoraConfig())
     disable_dropout(policy.model)
     copy_ = sampler_copy(policy)
-    local = build_engine(policy, 3)
-    remote = ProcessEngine(copy_.model, copy_.tokenizer, generation_stop_ids(copy_.model, copy_.tokenizer),
-                           copy_.device, seed=3)
+    local, remote = build_engine(policy, 3), ProcessEngine(build_engine(copy_, 3))
     try:
         params, prompts = SamplingParams(n=3, max_new_tokens=8), [[1, 2, 3], [4, 5]]
         runs = []
@@ -149,9 +146,9 @@ CHILD_OF_A_KILLED_PARENT = """
 import sys, time
 from rlft.config import LoraConfig, ModelConfig
 from rlft.models.loading import load_policy
+from rlft.rollout import build_engine
 from rlft.rollout.sampler_process import ProcessEngine
-policy = load_policy(ModelConfig(path=sys.argv[1]), LoraConfig())
-engine = ProcessEngine(policy.model, policy.tokenizer, [0], policy.device)
+engine = ProcessEngine(build_engine(load_policy(ModelConfig(path=sys.argv[1]), LoraConfig()), 0))
 print(engine.pid, flush=True)
 time.sleep(600)
 """

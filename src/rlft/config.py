@@ -240,8 +240,9 @@ class RolloutConfig(Section):
                             "HFEngine in a child process sampling from a shared-memory copy of the policy (its own "
                             "interpreter: no GIL shared with the trainer); 'thread', in the sampler thread of the "
                             "trainer's process. The sampler thread runs tools, rewards and the queue either way; "
-                            "both give the same completions. auto: process (faster on the agent benchmark, "
-                            "benchmarks/async_rollouts.py). The vLLM engine runs its own workers (rollout.vllm).")
+                            "both give the same completions. auto: process on CPU in one process (faster there: "
+                            "benchmarks/async_rollouts.py), thread on GPUs and under torchrun (process not tested "
+                            "there yet). The vLLM engine runs its own workers (rollout.vllm).")
 
     @model_validator(mode="after")
     def _vllm_sampling(self) -> "RolloutConfig":

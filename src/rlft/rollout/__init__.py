@@ -33,17 +33,8 @@ def build_engine(policy: Any, seed: int, engine: str = "hf", batch_size: int | N
     return VLLMEngine(policy, stop_ids, seed, vllm, dtype)
 
 
-def rollout_engine(cfg: RolloutConfig, policy: Any, seed: int, dtype: torch.dtype | None = None,
-                   process: bool = False) -> Engine:
-    """The training run's engine, as `rollout` configures it. `process`: the hf engine in a child
-    process (rollout/sampler_process.py) sampling from `policy`, which must be a copy of its own
-    (an async run's sampler copy): its storages become shared memory."""
-    if process and cfg.engine == "hf":
-        from rlft.rollout.hf import generation_stop_ids
-        from rlft.rollout.sampler_process import ProcessEngine
-
-        return ProcessEngine(policy.model, policy.tokenizer, generation_stop_ids(policy.model, policy.tokenizer),
-                             policy.device, seed, cfg.batch_size, cfg.fast_decode, dtype)
+def rollout_engine(cfg: RolloutConfig, policy: Any, seed: int, dtype: torch.dtype | None = None) -> Engine:
+    """The training run's engine, as `rollout` configures it."""
     return build_engine(policy, seed, cfg.engine, cfg.batch_size, cfg.fast_decode, cfg.vllm, dtype)
 
 

@@ -52,19 +52,25 @@ class SamplerProcessFailed(RlftError):
     """The sampler process died or raised; the message names its exit status or the exception."""
 
 
-class ProcessEngine:
-    """An HFEngine in a spawned child process (see the module docstring). `model` is the sampler's
-    own copy of the policy (never the trainer's module): its storages become shared memory."""
+def use_process(setting: str, device: torch.device, several_ranks: bool) -> bool:
+    """rollout.sampler for an async run's hf engine: 'auto' is a process on CPU in one process
+    (where it was measured faster: the GIL); a thread on GPUs and under torchrun, where the process
+    sampler is not tested yet."""
+    return setting == "process" or (setting == "auto" and device.type == "cpu" and not several_ranks)
 
-    def __init__(self, model: Any, tokenizer: Any, stop_ids: Sequence[int], device: torch.device,
-                 seed: int = 0, batch_size: int | None = None, fast_decode: bool = True,
-                 compute_dtype: torch.dtype | None = None, threads: int | None = None):
+
+class ProcessEngine:
+    """`engine` (an HFEngine on the sampler's own copy of the policy, never the trainer's module)
+    moved into a spawned child process: its model's storages become shared memory, and the rest
+    of it (tokenizer, settings, stream position) is sent to the child as it is."""
+
+    def __init__(self, engine: Any, threads: int | None = None):
         ctx = torch.multiprocessing.get_context("spawn")
         self._conn, child_end = ctx.Pipe()
         self._lock = threading.Lock()  # one request in flight; a second caller waits
-        self._state = {"engine": "hf", "seed": seed, "stream": "train", "calls": 0}
+        self._state = engine.state_dict()
         self._failed: SamplerProcessFailed | None = None
-        model.share_memory()  # the child maps these storages: a weight load in the parent is the push
+        engine.model.share_memory()  # the child maps these storages: a weight load in the parent is the push
         with _sigint_ignored(), _main_hidden():
             self._process = ctx.Process(target=_serve, args=(child_end, os.getpid()), name="rlft-sampler",
                                         daemon=True)
@@ -72,8 +78,7 @@ class ProcessEngine:
         child_end.close()  # ours: the child's end must close with the child, so a death reads as EOF
         self.pid = self._process.pid
         weakref.finalize(self, _kill, self._process)  # dropped without close() (a failed build): no orphan
-        self._call("build", model, tokenizer, list(stop_ids), str(device), seed, batch_size, fast_decode,
-                   compute_dtype, threads or torch.get_num_threads())
+        self._call("build", engine, threads or torch.get_num_threads())
 
     # -- the Engine protocol ------------------------------------------------------------------
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams, first_prompt: int = 0,
@@ -217,7 +222,8 @@ def _serve(conn: Any, parent: int) -> None:
             return
         try:
             if op == "build":
-                engine = _build(*args)
+                engine, threads = args
+                torch.set_num_threads(threads)
                 value = None
             elif op == "generate":
                 value = engine.generate(*args)
@@ -237,11 +243,3 @@ def _serve(conn: Any, parent: int) -> None:
         except (EOFError, OSError):
             return
 
-
-def _build(model: Any, tokenizer: Any, stop_ids: list[int], device: str, seed: int, batch_size: int | None,
-           fast_decode: bool, compute_dtype: torch.dtype | None, threads: int) -> Any:
-    from rlft.rollout.hf import HFEngine
-
-    torch.set_num_threads(threads)
-    return HFEngine(model, tokenizer, stop_ids, torch.device(device), seed=seed, batch_size=batch_size,
-                    fast_decode=fast_decode, compute_dtype=compute_dtype)
