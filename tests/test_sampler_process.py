@@ -142,6 +142,47 @@ def test_a_killed_sampler_process_stops_the_run_with_a_checkpoint_and_resumes_id
     assert_same_run(reference, root / "sampler-process-killed")
 
 
+def children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().split(")")[-1].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+@pytest.mark.slow  # ~30 s: a CLI run and its resume
+def test_ctrl_c_to_the_process_group_stops_at_a_step_saves_and_leaves_no_child(root):  # noqa: F811
+    """A terminal's Ctrl-C reaches the whole foreground group: the child ignores it (and left the
+    group), the trainer stops at the step's end and saves with the child's streams, the child
+    exits with the run, and the continued run equals the reference."""
+    from test_resume import RLFT, run_cli, write_config
+
+    reference = run(root, "sampler-process", "process")
+    name = "sampler-process-ctrl-c"
+    cfg = grpo(root, name, 1, steps=STEPS, checkpoint={"every": 100})
+    cfg["rollout"]["sampler"] = "process"
+    path = write_config(cfg)
+    proc = subprocess.Popen([RLFT, "train", str(path)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    rows = root / name / "metrics.jsonl"
+    while not rows.exists() or not rows.read_text().strip():
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        time.sleep(0.02)
+    sampler = children(proc.pid)
+    assert sampler  # the sampler process, started before the first step
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, err.decode()[-2000:]
+    time.sleep(1)
+    assert not any(alive(pid) for pid in sampler)
+    resumed = run_cli("train", "--resume", str(root / name), "checkpoint.every=1")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_run(reference, root / name)
+
+
 CHILD_OF_A_KILLED_PARENT = """
 import sys, time
 from rlft.config import LoraConfig, ModelConfig
