@@ -14,8 +14,10 @@ Workloads, each run four ways from the same model, data and seed:
 Modes: `sync` gives both cores to each phase in turn (training.num_threads=2), as the issue asks;
 `sync-1t` is the synchronous run on one thread, the faster one on a loaded machine (two OpenMP
 threads busy-wait on each other, training/threads.py); `k=1` and `k=2` give one core to the sampler
-thread and one to the trainer (num_threads=1, which torch applies in each thread). Every run uses
-rollout_correction=tis, so the loss is the same.
+thread and one to the trainer (num_threads=1, which torch applies in each thread), generating in the
+sampler thread (rollout.sampler=thread: one process, one GIL); `k=1 proc` and `k=2 proc` generate in
+a child process (rollout.sampler=process, one thread there). Every run uses rollout_correction=tis,
+so the loss is the same. `--modes "k=1 proc" sync-1t` runs a subset.
 
 Per run: s/step (median over steps 2.., the first step has nothing to overlap with), completion
 tokens/s over those steps, the idle share of each side, the held-out reward (eval/reward_mean after
@@ -43,9 +45,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import HERE, ROOT, build_models, rel, rlft_command, run_child, tail  # noqa: E402
 
-# (name, async_steps, torch threads): sync as the issue asks (both cores for each phase), and sync
-# on one thread, which a loaded machine can favour (busy-waiting OpenMP threads, see training/threads.py)
-MODES = (("sync", 0, 2), ("sync-1t", 0, 1), ("k=1", 1, 1), ("k=2", 2, 1))
+# (name, async_steps, torch threads, rollout.sampler): sync as the issue asks (both cores for each
+# phase), and sync on one thread, which a loaded machine can favour (busy-waiting OpenMP threads, see
+# training/threads.py); async with the sampler's engine in the trainer's process (a thread, sharing
+# its GIL) or in a child process
+MODES = (("sync", 0, 2, "auto"), ("sync-1t", 0, 1, "auto"), ("k=1", 1, 1, "thread"), ("k=2", 2, 1, "thread"),
+         ("k=1 proc", 1, 1, "process"), ("k=2 proc", 2, 1, "process"))
 TOOL = f"{rel(Path(__file__).resolve())}:lookup"
 
 
@@ -116,7 +121,7 @@ def sft_tool_model(work: Path, base: Path, threads: int) -> Path:
 
 
 def grpo_config(name: str, workload: str, model: Path, k: int, threads: int, steps: int, evals: Path,
-                work: Path) -> dict:
+                work: Path, sampler: str = "auto") -> dict:
     agent = workload == "agent"
     return {
         "method": "grpo", "output_dir": rel(work / "runs" / name), "seed": 0,
@@ -125,7 +130,7 @@ def grpo_config(name: str, workload: str, model: Path, k: int, threads: int, ste
         "training": {"learning_rate": 5e-5, "max_steps": steps, "num_threads": threads, "precision": "fp32",
                      "lr_scheduler": "constant"},
         "rollout": {"group_size": 4 if agent else 8, "prompts_per_step": 4, "max_new_tokens": 96 if agent else 48,
-                    "async_steps": k},
+                    "async_steps": k, "sampler": sampler},
         "algorithm": {"rollout_correction": "tis"},
         "rewards": [{"fn": "benchmarks/rewards.py:digit_share"}],
         # sampled, 4 per prompt: greedy answers of a random model flip between degenerate loops
@@ -160,9 +165,11 @@ def run_workload(workload: str, args, work: Path) -> list[dict]:
         model = sft_tool_model(work, model, 2)
     evals = held_out(work / "async-heldout.jsonl")
     results = []
-    for mode, k, threads in MODES:
-        name = f"async-{workload}-{mode.replace('=', '')}"
-        cfg = grpo_config(name, workload, model, k, threads, args.steps, evals, work)
+    for mode, k, threads, sampler in MODES:
+        if args.modes and mode not in args.modes:
+            continue
+        name = f"async-{workload}-{mode.replace('=', '').replace(' ', '-')}"
+        cfg = grpo_config(name, workload, model, k, threads, args.steps, evals, work, sampler)
         path = work / "configs" / f"{name}.yaml"
         path.write_text(json.dumps(cfg))
         shutil.rmtree(ROOT / cfg["output_dir"], ignore_errors=True)  # an existing run would be continued
@@ -177,7 +184,8 @@ def run_workload(workload: str, args, work: Path) -> list[dict]:
             print(f"[async] {name} failed (exit {res['rc']}):\n{tail(res['log'])}", flush=True)
             results.append({"workload": workload, "mode": mode, "async_steps": k, "ok": False, "log": res["log"]})
             continue
-        results.append({"workload": workload, "mode": mode, "async_steps": k, "threads": threads, "ok": True,
+        results.append({"workload": workload, "mode": mode, "async_steps": k, "threads": threads, "sampler": sampler,
+                        "ok": True,
                         "partial": res["time_limited"], "load_before": load, "wall_s": res["wall_s"],
                         **summarise(rows), "log": res["log"]})
     syncs = [r for r in results if r["ok"] and r["async_steps"] == 0]
@@ -210,6 +218,7 @@ def main() -> None:
     parser.add_argument("--workload", choices=["small", "agent", "both"], default="both")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--agent-model", choices=["tiny", "small"], default="tiny")
+    parser.add_argument("--modes", nargs="+", choices=[m[0] for m in MODES], help="run only these (default: all)")
     parser.add_argument("--time-limit", type=float, default=900, help="seconds per run (then: the steps it did)")
     parser.add_argument("--work", type=Path, default=HERE / "work")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "async_rollouts.json")

@@ -219,7 +219,7 @@ def test_a_failing_sampler_stops_with_a_checkpoint_and_resumes_identically(root,
         return real(self, prompts, params, first_prompt)
 
     monkeypatch.setattr(HFEngine, "generate", flaky)
-    cfg = grpo(root, "failing-k1", 1)
+    cfg = grpo(root, "failing-k1", 1, rollout={"sampler": "thread"})  # the patch holds in this process
     with pytest.raises(TrainingHalted) as exc:
         train(cfg)
     message = str(exc.value)
@@ -234,6 +234,7 @@ def test_a_failing_sampler_stops_with_a_checkpoint_and_resumes_identically(root,
     ({"rollout": {"async_steps": -1}}, "greater than or equal to 0"),
     ({"algorithm": {"rollout_correction": "none"}}, "set algorithm.rollout_correction to tis"),
     ({"method": "dapo", "algorithm": {"rollout_correction": "bypass"}}, "dynamic_sampling"),
+    ({"rollout": {"engine": "vllm", "sampler": "process"}}, "vLLM engine has its own worker processes"),
 ])
 def test_settings_async_cannot_run_with_are_refused_with_the_reason(root, change, message):
     cfg = grpo(root, "refused", 1)

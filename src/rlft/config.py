@@ -235,11 +235,22 @@ class RolloutConfig(Section):
                              "steps, so a run does not depend on timing); 0: generate, then train, in turn. k > 0 "
                              "needs algorithm.rollout_correction (tis or bypass). Under torchrun each rank's "
                              "sampler samples its share of the prompts (the hf engine; vLLM: one process so far).")
+    sampler: Literal["auto", "process", "thread"] = Field(
+        "auto", description="With async_steps > 0 and the hf engine, where tokens are generated: 'process', an "
+                            "HFEngine in a child process sampling from a shared-memory copy of the policy (its own "
+                            "interpreter: no GIL shared with the trainer); 'thread', in the sampler thread of the "
+                            "trainer's process. The sampler thread runs tools, rewards and the queue either way; "
+                            "both give the same completions. auto: process on CPU in one process (faster there: "
+                            "benchmarks/async_rollouts.py), thread on GPUs and under torchrun (process not tested "
+                            "there yet). The vLLM engine runs its own workers (rollout.vllm).")
 
     @model_validator(mode="after")
     def _vllm_sampling(self) -> "RolloutConfig":
         if self.engine == "vllm":
             check_vllm_sampling(self.temperature, self.top_p, self.top_k, "rollout")
+            if self.sampler == "process":
+                raise ValueError("rollout.sampler=process runs the hf engine in a child process; the vLLM engine "
+                                 "has its own worker processes (rollout.vllm): drop rollout.sampler or set it to auto")
         return self
 
 

@@ -37,6 +37,8 @@ from rlft.rollout import (Engine, build_engine, check_prompts_with_tools, rollou
                           sampling_params, turn_driver)
 from rlft.rollout.batch import RolloutBatch
 from rlft.rollout.contract import trained_segments
+from rlft.rollout.hf import HFEngine
+from rlft.rollout.sampler_process import ProcessEngine, use_process
 from rlft.training.collect import Rollout
 from rlft.training.critic import Critic, build_critic
 from rlft.training.rl_update import UpdateSettings, policy_update, reference_logprobs, token_rewards
@@ -119,7 +121,7 @@ def build_online(config: Config, session: TrainingSession, sample_dtype: torch.d
     if train_rows.mixed and correct not in components:
         raise ConfigError(f"eval.correct_component {correct!r} (per-source accuracy) is not a reward component; "
                           f"choose one of {components}")
-    engine, sample_engine, sampler_model = _engines(config, policy.unsharded(), sample_dtype)
+    engine, sample_engine, sampler_model = _engines(config, policy.unsharded(), sample_dtype, world.active)
     driver = eval_driver = None
     if config.agent is not None:  # each rank runs its share's episodes (collect_rollout)
         driver = turn_driver(config.agent, sample_engine, policy.tokenizer, config.seed, d.max_prompt_length)
@@ -170,17 +172,22 @@ def _rollout_source(k: int, maker: RolloutMaker, trainer_model: Any, sampler_mod
     return AsyncRollouts(maker, k, trainer_model, sampler_model, sync), SharedScorer(real, lock)
 
 
-def _engines(config: Config, policy: Any, dtype: torch.dtype | None) -> tuple[Engine, Engine, Any]:
+def _engines(config: Config, policy: Any, dtype: torch.dtype | None,
+             several_ranks: bool = False) -> tuple[Engine, Engine, Any]:
     """(the engine evaluations use, the engine rollouts use, the module the rollout engine samples
     from). Synchronous: one engine on the trainer's own (unsharded) module. Async: the sampler's
     engine gets its own copy of the policy; evaluations sample the live weights on the loop's
-    thread with the hf engine (a vLLM engine is the sampler thread's alone)."""
+    thread with the hf engine (a vLLM engine is the sampler thread's alone). rollout.sampler
+    'process' (auto: on CPU in one process) moves the sampler's hf engine into a child process that
+    samples from the copy's storages in shared memory (rollout/sampler_process.py)."""
     r = config.rollout
     if not r.async_steps:
         engine = rollout_engine(r, policy, config.seed, dtype)
         return engine, engine, policy.model
     copy_ = sampler_copy(policy, torch.device("cpu") if r.engine == "vllm" else None)
     sample_engine = rollout_engine(r, copy_, config.seed, dtype)
+    if isinstance(sample_engine, HFEngine) and use_process(r.sampler, copy_.device, several_ranks):
+        sample_engine = ProcessEngine(sample_engine)
     engine = build_engine(policy, config.seed, "hf", r.batch_size, r.fast_decode, dtype=dtype)
     return engine, sample_engine, copy_.model
 

@@ -12,7 +12,9 @@ itself, with the live weights.
 The sampler thread owns its engine (only it calls generate and sync_weights) and samples from its
 own copy of the policy, into which it loads the CPU snapshot the trainer published for the version
 it needs. Pacing bounds the queue: at most k + 1 finished batches wait, and at most k + 1
-snapshots are held.
+snapshots are held. With rollout.sampler=process (rollout/sampler_process.py) the engine's token
+generation runs in a child process that maps the copy's storages: the thread still loads the
+snapshot (the push) and runs the turn driver, the rewards and this queue.
 
 Several ranks (torchrun): each rank's sampler thread samples its share of every batch's prompts,
 as the synchronous run does (`collect_rollout`), and never issues a collective: those of a batch
