@@ -40,7 +40,10 @@ def grpo(root: Path, name: str, k: int, steps: int = 6, **sections) -> dict:
         "model": {"path": str(root / "model")}, "data": {"train": str(root / "prompts.jsonl")},
         "training": {"learning_rate": 1e-2, "max_steps": steps, "num_threads": 1, "precision": "fp32",
                      "lr_scheduler": "constant"},
-        "rollout": {"group_size": 4, "prompts_per_step": 3, "max_new_tokens": 8, "async_steps": k},
+        # the sampler thread: a child process's start-up costs seconds a run, and it samples what the
+        # thread samples (tests/test_sampler_process.py compares the two bitwise)
+        "rollout": {"group_size": 4, "prompts_per_step": 3, "max_new_tokens": 8, "async_steps": k,
+                    "sampler": "thread"},
         # two epochs x two minibatches: a no-grad pi_old pass, and the update generator's state
         "algorithm": {"epochs": 2, "minibatches": 2, "rollout_correction": "tis"},
         "rewards": [{"fn": f"{root / 'reward.py'}:digits"}],
@@ -90,6 +93,8 @@ def sequential_oracle(cfg: dict, k: int) -> tuple[list[float], dict[str, torch.T
             engine.sync_weights()
             history.append(copy.deepcopy(policy.model.state_dict()))
             rewards.append(step["reward/mean"])
+        for built in o.engines:  # build_online made the run's engines (an async one: a sampler process)
+            built.close()
         if policy.is_lora:  # the adapter, named as final/adapter/ names it
             from peft import get_peft_model_state_dict
 

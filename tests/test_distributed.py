@@ -240,6 +240,7 @@ def async_config(root: Path, name: str, output: str | None = None, agent: bool =
     path = config(root, "grpo", name, **training)
     cfg = yaml.safe_load(path.read_text())
     cfg["rollout"]["async_steps"] = 1
+    cfg["rollout"]["sampler"] = "thread"  # one process's auto would start a child (seconds); it samples alike
     cfg["algorithm"] = {"rollout_correction": "tis"}
     cfg["output_dir"] = str(root / (output or name))
     if agent:

@@ -94,6 +94,7 @@ def test_k1_with_the_process_sampler_equals_the_thread_sampler_bitwise(root):  #
     assert_same_run(thread, process)  # final weights, per-step metrics (timings aside), samples
 
 
+@pytest.mark.slow  # make test under 10 min: the engine-level test covers named streams; run with make test-slow
 def test_agent_episodes_with_the_process_sampler_equal_the_thread_samplers(root):  # noqa: F811
     """The turn driver (tool calls, parsing) stays on the sampler thread, each turn's tokens come
     from the child: the same episodes, metrics and weights."""
@@ -195,6 +196,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow  # make test under 10 min: the engine-level test covers named streams; run with make test-slow
 def test_the_sampler_process_exits_when_its_parent_is_killed(root):  # noqa: F811
     """No orphan: the parent SIGKILLed (no close, no atexit), the child notices and exits."""
     parent = subprocess.Popen([sys.executable, "-c", CHILD_OF_A_KILLED_PARENT, str(root / "model")],
