@@ -155,6 +155,12 @@ class TrainingConfig(Section):
                             "segments when that is cheaper; on: always one segment per group; off: each row alone. "
                             "Used where a first-use probe confirms the model honours the mask (eager, sdpa), else "
                             "the plain forward.")
+    compile: bool = Field(
+        False, description="Run the training forwards' decoder layers (policy, reference, critic, SFT/DPO losses, "
+                           "and so their backward) through torch.compile (TorchInductor; on CPU it needs a C++ "
+                           "compiler). Lengths are traced as symbols, so packed rows of new lengths do not "
+                           "recompile; each new variant (no-grad scoring, the shared-prefix mask, LoRA adapters "
+                           "off) compiles once. Off by default: PLACEHOLDER")
     learning_rate: float | None = Field(
         None, gt=0, description="Peak learning rate (AdamW); unset: the method's default.")
     lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
