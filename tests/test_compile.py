@@ -141,3 +141,13 @@ def test_compile_is_off_by_default_and_a_bool():
     assert TrainingConfig(compile="true").compile is True
     with pytest.raises(ValueError):
         TrainingConfig(compile="sometimes")
+
+
+def test_compile_with_gradient_checkpointing_is_a_config_error(qwen_path, tmp_path):
+    from rlft.config import load_config
+
+    cfg = {"method": "sft", "output_dir": str(tmp_path / "run"), "model": {"path": str(qwen_path),
+           "gradient_checkpointing": True}, "data": {"train": str(tmp_path / "x.jsonl")}, "training": {"compile": True}}
+    (tmp_path / "x.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    with pytest.raises(ConfigError, match=r"training\.compile with model\.gradient_checkpointing"):
+        load_config(cfg)
