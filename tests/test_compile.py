@@ -67,6 +67,24 @@ def fp32_model(qwen_path):
     return AutoModelForCausalLM.from_pretrained(qwen_path, dtype=torch.float32).train()
 
 
+def test_layers_run_compiled_only_inside_compiled_forwards(fp32_model, monkeypatch):
+    """The wiring, with a backend that builds no kernels (AOTAutograd's graphs run eagerly): the
+    decoder's layers go through torch.compile inside `compiled_forwards()` and only there, give the
+    eager numbers, and a new packed length reuses the graph. Inductor's numbers: the tests below."""
+    import rlft.models.compiled as compiled
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    layers = list(fp32_model.model.layers)
+    before = graphs()
+    assert_same(logprobs_and_grads(fp32_model, True), logprobs_and_grads(fp32_model, False))
+    assert graphs() > before  # something was compiled ...
+    assert all(layer._compiled_call_impl is None for layer in layers)  # ... and generation will not see it
+    traced = graphs()
+    logprobs_and_grads(fp32_model, True, extra=3)
+    assert graphs() == traced
+
+
+@pytest.mark.slow  # ~10 s with a warm inductor cache, 24-28 s on a cold one (the first run on a machine)
 def test_compiled_forward_matches_eager_and_new_lengths_do_not_recompile(fp32_model):
     assert_same(logprobs_and_grads(fp32_model, True), logprobs_and_grads(fp32_model, False))
     before = graphs()

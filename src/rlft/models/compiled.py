@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 FIX = "set training.compile: false (the eager forwards compute the same numbers)"
 
 _ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("rlft_compiled_forwards", default=False)
-_CALL: list[Any] = []  # torch.compile(nn.Module._call_impl), made on first use
+BACKEND = "inductor"  # tests of the wiring swap in "aot_eager" (no kernels to build: seconds, not a minute)
+_CALLS: dict[str, Any] = {}  # backend -> torch.compile(nn.Module._call_impl), made on first use
 _SKIPPED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # decoders told about once
 # every variant (grad mode, mask kind, adapters on/off, policy/reference/critic) is one cache entry
 # on the shared `Module._call_impl` code object; torch's default of 8 would send later ones back to eager
@@ -97,11 +98,11 @@ def compiled_layers(decoder: Any) -> Iterator[None]:
             log.warning("training.compile: %s has no `layers` list; its forwards run eagerly", type(decoder).__name__)
         yield
         return
-    if not _CALL:  # the unbound call, the layer an argument: no compiled object holds a model alive
-        _CALL.append(torch.compile(nn.Module._call_impl, dynamic=True))
+    if BACKEND not in _CALLS:  # the unbound call, the layer an argument: no compiled object holds a model alive
+        _CALLS[BACKEND] = torch.compile(nn.Module._call_impl, dynamic=True, backend=BACKEND)
     saved = [layer._compiled_call_impl for layer in layers]
     for layer in layers:
-        layer._compiled_call_impl = functools.partial(_CALL[0], layer)
+        layer._compiled_call_impl = functools.partial(_CALLS[BACKEND], layer)
     try:
         yield
     except _compile_errors() as exc:
