@@ -161,8 +161,8 @@ class TrainingConfig(Section):
                            "compiler). Lengths are traced as symbols, so packed rows of new lengths do not "
                            "recompile; each new variant (no-grad scoring, the shared-prefix mask, LoRA adapters "
                            "off) compiles once. Off by default: on the ~28M model on CPU it made the reference + "
-                           "update 1.14-1.27x faster but compiled for 100-130 s on a cold cache, paying off only "
-                           "after 24-40 steps (README, Speed). Not with model.gradient_checkpointing.")
+                           "update 1.02-1.27x faster but compiled for 100-130 s on a cold cache, paying off after "
+                           "24 steps at best (README, Speed). Not with model.gradient_checkpointing.")
     learning_rate: float | None = Field(
         None, gt=0, description="Peak learning rate (AdamW); unset: the method's default.")
     lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
