@@ -92,7 +92,7 @@ def test_compiled_forward_matches_eager_and_new_lengths_do_not_recompile(fp32_mo
     assert graphs() == before  # lengths are symbols: packed rows of a new length reuse the graph
 
 
-@pytest.mark.slow  # ~30 s with a cold inductor cache (the LoRA layer graph is its own compile), ~4 s warm
+@pytest.mark.slow  # 30-50 s with a cold inductor cache (the LoRA layer graph is its own compile), ~4-9 s warm
 def test_compiled_lora_forward_matches_eager(fp32_model):
     from rlft.config import LoraConfig
     from rlft.models.loading import apply_lora
