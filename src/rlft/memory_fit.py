@@ -133,7 +133,8 @@ class _Option:
 def _options(config: Config, base: Any) -> list[_Option]:
     """Every combination of the savers the config leaves free, with its cost."""
     online = config.is_online
-    gc_free = "gradient_checkpointing" not in config.model.model_fields_set and not config.model.gradient_checkpointing
+    gc_free = ("gradient_checkpointing" not in config.model.model_fields_set and not config.model.gradient_checkpointing
+               and not config.training.compile)  # compiled layers cannot be recomputed (config.py)
     micro_free = (config.algorithm.micro_batch_size if online else config.training.micro_batch_size) is None
     micro_key = "algorithm.micro_batch_size" if online else "training.micro_batch_size"
     rows = base.batch_size or base.micro_batch_size

@@ -13,7 +13,8 @@ With `packing`, the rows go through the decoder padding-free (`packing.pack_rows
 no pad token computed. Packing is used only where a probe confirmed that packed rows do not
 attend to each other in this model. With `shared_prefix` ('auto' or 'on'), rows that share a
 prompt are computed with one copy of it (`shared_prefix.share_prefixes`), where a probe confirmed
-that the model honours the layout's 4D attention mask.
+that the model honours the layout's 4D attention mask. Inside `compiled.compiled_forwards()`
+(`training.compile`) the decoder's layers run compiled; the probes always run eagerly.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from rlft.models.compiled import compiled_layers, note_not_compiled
 from rlft.models.head_logprobs import plain_token_logprobs_and_entropy, token_logprobs_and_entropy
 from rlft.models.packing import MULTI_ROW, pack_rows
 from rlft.models.shared_prefix import AttentionCost, SharedRows, mask_kind, share_prefixes, window_allows
@@ -254,14 +256,15 @@ def token_outputs(model: Any, input_ids: Tensor, attention_mask: Tensor, target_
         shared = shared_layout(model, module, _decoder_run(module) if head else logits_run(model), input_ids,
                                attention_mask, prompt_width, shared_prefix)
     if head is None:
+        note_not_compiled(model, "log-probs come from the model's own full forward (see the log above)")
         full = _full_forward_outputs if shared is None else _full_forward_shared
         lp, ent, states = full(model, input_ids if shared is None else shared, attention_mask, predict_at, targets,
                                temperature, entropy, hidden)
     else:
         if shared is not None:
             layout, mask = shared
-            out = head.decoder(input_ids=layout.input_ids, attention_mask=mask, position_ids=layout.position_ids,
-                               use_cache=False).last_hidden_state  # [bins, L, H]
+            out = _decoder_states(head.decoder, input_ids=layout.input_ids, attention_mask=mask,
+                                  position_ids=layout.position_ids)  # [bins, L, H]
             states = _gather(out, layout.flat_index[predict_at])  # [n, H]
         else:
             states = _states_at(head, input_ids, attention_mask, predict_at, packing)  # [n, H]
@@ -279,12 +282,19 @@ def _states_at(head: LmHead, input_ids: Tensor, attention_mask: Tensor, select: 
     """Last hidden states at the positions in `select` `[B, T]` -> `[n, H]`, row-major."""
     if packing and head.packing:
         packed = pack_rows(input_ids, attention_mask, multi_row=head.packing == "multi")
-        states = head.decoder(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                              use_cache=False).last_hidden_state  # [bins, L, H]
+        states = _decoder_states(head.decoder, input_ids=packed.input_ids,
+                                 position_ids=packed.position_ids)  # [bins, L, H]
         return _gather(states, packed.flat_index[select])
-    states = head.decoder(input_ids=input_ids, attention_mask=attention_mask,
-                          position_ids=position_ids_for(attention_mask), use_cache=False).last_hidden_state
+    states = _decoder_states(head.decoder, input_ids=input_ids, attention_mask=attention_mask,
+                             position_ids=position_ids_for(attention_mask))  # [B, T, H]
     return states[select]
+
+
+def _decoder_states(decoder: Any, **inputs: Tensor) -> Tensor:
+    """The decoder's last hidden states for the training forwards (compiled layers inside
+    `compiled_forwards()`)."""
+    with compiled_layers(decoder):
+        return decoder(**inputs, use_cache=False).last_hidden_state
 
 
 def _gather(states: Tensor, index: Tensor) -> Tensor:
@@ -391,8 +401,7 @@ def packed_sequence_scores(model: Any, input_ids: Tensor, attention_mask: Tensor
         return None
     decoder, score, mode = _SCORERS[model]
     packed = pack_rows(input_ids, attention_mask, multi_row=mode == "multi")
-    states = decoder(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                     use_cache=False).last_hidden_state  # [bins, L, H]
+    states = _decoder_states(decoder, input_ids=packed.input_ids, position_ids=packed.position_ids)  # [bins, L, H]
     first, lengths = attention_mask.long().argmax(-1), attention_mask.sum(-1)
     rows = torch.arange(input_ids.shape[0], device=input_ids.device)
     last = packed.flat_index[rows, first + lengths - 1]  # [N]

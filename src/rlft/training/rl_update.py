@@ -82,7 +82,8 @@ class Trainer(Protocol):
     policy: Any
 
     def autocast(self) -> Any:
-        """The context training forwards run in (the run's mixed precision)."""
+        """The context training forwards run in (the run's mixed precision; with training.compile,
+        compiled decoder layers)."""
 
     def backward(self, loss: Tensor) -> None:
         """loss.backward(), loss-scaled under fp16."""

@@ -24,6 +24,7 @@ from rich.markup import escape
 
 from rlft.config import CheckpointConfig, Config, TrainingConfig, config_warnings
 from rlft.errors import ResumeError, RlftError, TrainingHalted
+from rlft.models.compiled import check_compile_available, compiled_forwards
 from rlft.models.loading import LoadedModel, export_model, resolve_device
 from rlft.models.precision import Precision, resolve_precision
 from rlft.models.template import check_template
@@ -61,6 +62,8 @@ def open_run(config: Config, world: World = SINGLE) -> Iterator[RunDir]:
     continuing it would mix two experiments. (An attempt that stopped before its first checkpoint
     is simply restarted.)"""
     preflight(config)
+    if config.training.compile:  # a missing C++ compiler stops the run here, not in the first forward
+        check_compile_available(resolve_device(config.model.device))
 
     def say(line: str, warning: bool) -> None:
         if world.main:
@@ -227,9 +230,12 @@ class TrainingSession:
         self._install_signal_handlers()
         self.display = ProgressDisplay(total_steps, self.step, keys, self.progress, title)
 
-    def autocast(self) -> Any:
-        """The context training forwards run in (mixed precision: autocast to bf16 / fp16)."""
-        return self.precision.autocast(self.policy.device)
+    @contextmanager
+    def autocast(self) -> Iterator[None]:
+        """The context training forwards run in: mixed precision (autocast to bf16 / fp16) and, with
+        training.compile, compiled decoder layers (models/compiled.py)."""
+        with self.precision.autocast(self.policy.device), compiled_forwards(self.training.compile):
+            yield
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
