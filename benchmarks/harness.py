@@ -1,5 +1,6 @@
 """What `grpo_vs_trl.py` and `scaling.py` share: child processes with a time limit and their peak
-RSS, the models, and one rlft or TRL GRPO run on a workload with the per-step numbers each logs."""
+RSS, the models, the prompts (the short ones in prompts.jsonl, the long-prompt workload's built
+from them), and one rlft or TRL GRPO run on a workload with the per-step numbers each logs."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def child_env(threads: int) -> dict[str, str]:
     env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
                 "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1"})
+    # the rlft of this checkout, whichever checkout the venv's editable install points at
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
     return env
 
 
@@ -47,8 +50,10 @@ def run_child(cmd: list[str], log: Path, threads: int, time_limit: float | None 
             cap = int(memory_limit_gb * 2**30)
             resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
+    loads = [os.getloadavg()[0]]  # the 1-minute load average at the start, then every 30 s
     with open(log, "w") as fh:
         start = time.perf_counter()
+        next_load = start + 30
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=child_env(threads),
                                 start_new_session=True, preexec_fn=limit_memory)
         deadline = None if time_limit is None else start + time_limit
@@ -63,11 +68,16 @@ def run_child(cmd: list[str], log: Path, threads: int, time_limit: float | None 
             elif limited and time.perf_counter() > deadline:
                 os.killpg(proc.pid, signal.SIGKILL)
                 deadline = float("inf")
+            if time.perf_counter() >= next_load:
+                loads.append(os.getloadavg()[0])
+                next_load += 30
             time.sleep(0.5)
         wall = time.perf_counter() - start
     rc = os.waitstatus_to_exitcode(status)
+    loads.append(os.getloadavg()[0])
     return {"rc": rc, "wall_s": wall, "peak_rss_mb": usage.ru_maxrss / 1024, "log": rel(log),
-            "time_limited": limited}
+            "time_limited": limited, "loadavg_1min": {"start": loads[0], "end": loads[-1], "min": min(loads),
+                                                      "max": max(loads), "mean": statistics.mean(loads)}}
 
 
 def rel(path: Path) -> str:
@@ -134,14 +144,78 @@ def model_shapes(folder: Path) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# Prompts
+
+SHORT_PROMPTS = HERE / "prompts.jsonl"
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def prompt_messages(row: dict) -> list[dict]:
+    """A row's conversation: `prompt` is a string (one user turn) or a list of messages."""
+    p = row["prompt"]
+    return [{"role": "user", "content": p}] if isinstance(p, str) else p
+
+
+def prompt_token_lengths(model_dir: Path, path: Path) -> list[int]:
+    """Each row's prompt in tokens, rendered through the chat template as rlft renders it."""
+    from rlft.config import ModelConfig
+    from rlft.models.loading import load_tokenizer
+    from rlft.models.template import encode_prompt
+
+    tok = load_tokenizer(ModelConfig(path=str(model_dir)))
+    return [len(encode_prompt(tok, prompt_messages(r))) for r in read_rows(path)]
+
+
+def long_prompts(work: Path, model_dir: Path, prompt_tokens: int) -> tuple[Path, int]:
+    """The long-prompt workload's rows: each "What is A + B?" row of prompts.jsonl behind one long
+    fixed system message, sized so that every rendered prompt is `prompt_tokens` tokens (exactly,
+    where trimming the context a character at a time lands on it; the length is checked equal for
+    every row either way). The context is text of the kind the tiny tokenizer was trained on
+    (`rlft.models.tiny._corpus`, seed 1): words, numbers and punctuation, a few characters per token.
+    Written to work/data/; returns the file and the prompt length in tokens."""
+    from rlft.config import ModelConfig
+    from rlft.models.loading import load_tokenizer
+    from rlft.models.template import encode_prompt
+    from rlft.models.tiny import _corpus
+
+    tok = load_tokenizer(ModelConfig(path=str(model_dir)))
+    rows = read_rows(SHORT_PROMPTS)
+
+    def conversation(context: str, row: dict) -> list[dict]:
+        return [{"role": "system", "content": context}, {"role": "user", "content": row["prompt"]}]
+
+    def length(context: str) -> int:
+        return len(encode_prompt(tok, conversation(context, rows[0])))
+
+    lines, context = iter(_corpus(seed=1)), ""
+    while length(context) < prompt_tokens:
+        context += next(lines) + "\n"
+    while length(context) > prompt_tokens:
+        context = context[:-1]
+    lengths = {len(encode_prompt(tok, conversation(context, r))) for r in rows}
+    if len(lengths) != 1:
+        raise SystemExit(f"long prompts: the rows render to different lengths {sorted(lengths)}")
+    out = work / "data" / f"long-prompts-{prompt_tokens}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps({**r, "prompt": conversation(context, r)}) + "\n" for r in rows))
+    return out, lengths.pop()
+
+
+# ---------------------------------------------------------------------------------------------
 # One run of each framework
 
 
-def run_rlft(name: str, wl: dict, model_dir: Path, args, work: Path, steps: int) -> dict:
+def run_rlft(name: str, wl: dict, model_dir: Path, args, work: Path, steps: int, before: bool = False) -> dict:
     """`wl["defaults"]`: rlft's default precision (`training.precision: auto` where this rlft has
     the field; float32 before it); otherwise float32 weights and, where the field exists,
-    `training.precision: fp32`, so the identical-float32 rows stay float32 on any hardware."""
-    out_dir = work / "runs" / f"{name}-rlft"
+    `training.precision: fp32`, so the identical-float32 rows stay float32 on any hardware.
+    `before`: rlft as it ran before issue 27 -- `training.shared_prefix: off` (each row's prompt
+    in every training forward) and the HF engine prefilling every row (`rlft_before.py`)."""
+    tag = "rlft-before" if before else "rlft"
+    out_dir = work / "runs" / f"{name}-{tag}"
     shutil.rmtree(out_dir, ignore_errors=True)  # an existing run dir would be resumed, not restarted
     training = {"learning_rate": LEARNING_RATE, "lr_scheduler": "cosine", "warmup_ratio": 0.0,
                 "max_grad_norm": 1.0, "max_steps": steps, "num_threads": args.threads}
@@ -156,7 +230,8 @@ def run_rlft(name: str, wl: dict, model_dir: Path, args, work: Path, steps: int)
         "seed": SEED,
         "model": model,
         "lora": {"enabled": wl["lora"], **LORA, "target_modules": "all-linear"},
-        "data": {"train": rel(HERE / "prompts.jsonl")},
+        "data": {"train": rel(wl.get("prompts", SHORT_PROMPTS)),
+                 **({"max_prompt_length": wl["max_prompt_length"]} if wl.get("max_prompt_length") else {})},
         "training": training,
         "rollout": {"group_size": wl.get("group_size", GROUP_SIZE), "prompts_per_step": PROMPTS_PER_STEP,
                     "temperature": TEMPERATURE, "top_p": 1.0, "top_k": 0, "max_new_tokens": wl["max_new_tokens"]},
@@ -171,10 +246,13 @@ def run_rlft(name: str, wl: dict, model_dir: Path, args, work: Path, steps: int)
         for part in path:
             node = node.setdefault(part, {})
         node[leaf] = yaml.safe_load(value)
-    cfg_path = work / "configs" / f"{name}-rlft.yaml"
+    if before:
+        training["shared_prefix"] = "off"
+    cfg_path = work / "configs" / f"{name}-{tag}.yaml"
     cfg_path.parent.mkdir(parents=True, exist_ok=True)
     cfg_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    res = run_child([*rlft_command(), "train", rel(cfg_path)], work / "logs" / f"{name}-rlft.log", args.threads,
+    command = [sys.executable, rel(HERE / "rlft_before.py")] if before else rlft_command()
+    res = run_child([*command, "train", rel(cfg_path)], work / "logs" / f"{name}-{tag}.log", args.threads,
                     args.time_limit, getattr(args, "memory_limit_gb", None))
     res["config"] = rel(cfg_path)
     res["precision"] = training.get("precision", "fp32 (no training.precision field)")
@@ -183,7 +261,8 @@ def run_rlft(name: str, wl: dict, model_dir: Path, args, work: Path, steps: int)
         rows = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
         res["steps"] = [{"step": r["step"], "time": r["time/step"], "completion_tokens": r["completion/tokens"],
                          "reward_mean": r.get("reward/mean"), "kl": r.get("kl"), "entropy": r.get("entropy"),
-                         "time_generate": r.get("time/generate"), "time_train": r.get("time/train")}
+                         "time_generate": r.get("time/generate"), "time_score": r.get("time/score"),
+                         "time_reference": r.get("time/reference"), "time_train": r.get("time/train")}
                         for r in rows if "time/step" in r]
     return res
 
@@ -191,7 +270,7 @@ def run_rlft(name: str, wl: dict, model_dir: Path, args, work: Path, steps: int)
 def run_trl(name: str, wl: dict, model_dir: Path, args, work: Path, steps: int) -> dict:
     out_dir = work / "runs" / f"{name}-trl"
     shutil.rmtree(out_dir, ignore_errors=True)
-    spec = {"model_dir": rel(model_dir), "prompts": rel(HERE / "prompts.jsonl"), "output_dir": rel(out_dir),
+    spec = {"model_dir": rel(model_dir), "prompts": rel(wl.get("prompts", SHORT_PROMPTS)), "output_dir": rel(out_dir),
             "lora": LORA if wl["lora"] else None, "max_new_tokens": wl["max_new_tokens"], "steps": steps,
             "group_size": wl.get("group_size", GROUP_SIZE), "prompts_per_step": PROMPTS_PER_STEP,
             "temperature": TEMPERATURE, "kl_coef": KL_COEF, "learning_rate": LEARNING_RATE, "seed": SEED,
@@ -240,6 +319,12 @@ def summarise(res: dict, first: int) -> dict:
     if all(g is not None for g in gen):  # sampling vs everything else (reward, reference, update)
         split = {"generate_s_per_step": statistics.median(gen),
                  "rest_s_per_step": statistics.median(t - g for t, g in zip(times, gen))}
+    parts = {k: [s.get(k) for s in measured] for k in ("time_score", "time_reference", "time_train")}
+    if all(v is not None for vs in parts.values() for v in vs):  # rlft: score, reference, update (train - reference)
+        split.update({"score_s_per_step": statistics.median(parts["time_score"]),
+                      "reference_s_per_step": statistics.median(parts["time_reference"]),
+                      "update_s_per_step": statistics.median(t - r for t, r in zip(parts["time_train"],
+                                                                                   parts["time_reference"]))})
     return {"ok": True, "partial": partial, "s_per_step": statistics.median(times), **split,
             "tokens_per_s": sum(tokens) / sum(times) if len(tokens) == len(times) else None,
             "completion_tokens_per_step": statistics.mean(tokens) if tokens else None,

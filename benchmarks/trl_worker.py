@@ -30,9 +30,11 @@ sys.path.insert(0, str(HERE))
 
 
 def load_prompts(path: str) -> list[dict]:
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    # Conversational prompts: TRL renders them with the tokenizer's chat template, as rlft does.
-    return [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows]
+    from harness import prompt_messages, read_rows
+
+    # Conversational prompts (one user turn, or a list of messages such as the long-prompt
+    # workload's system context + question): TRL renders them with the chat template, as rlft does.
+    return [{"prompt": prompt_messages(r), "answer": r["answer"]} for r in read_rows(path)]
 
 
 def check_prompt_ids(tokenizer, rows: list[dict], model_dir: str) -> None:
@@ -158,6 +160,17 @@ def main() -> None:
             timer.generate_s += time.perf_counter() - t0
 
     trainer._generate_single_turn = timed_generate
+    # What TRL actually fed the model: the prompt lengths it tokenized (nothing truncates them in
+    # TRL 1.16, which has no max_prompt_length; recorded so the result shows it)
+    prompt_lengths: set[int] = set()
+    tokenize = getattr(trainer, "_tokenize_prompts", None)
+    if tokenize is not None:
+        def recorded_tokenize(*a, **k):
+            out = tokenize(*a, **k)
+            prompt_lengths.update(len(ids) for ids in out[0])
+            return out
+
+        trainer._tokenize_prompts = recorded_tokenize
     torch.set_num_threads(threads)  # in case anything above changed it
     start = time.perf_counter()
     trainer.train()
@@ -173,7 +186,8 @@ def main() -> None:
               "activation_checkpointing": bool(getattr(args, "activation_checkpointing", args.gradient_checkpointing)),
               "bf16": bool(args.bf16), "gradient_checkpointing": bool(args.gradient_checkpointing),
               "defaults": bool(spec.get("defaults")), "per_device_train_batch_size": args.per_device_train_batch_size,
-              "generation_batch_size": args.generation_batch_size, "steps_per_generation": args.steps_per_generation}
+              "generation_batch_size": args.generation_batch_size, "steps_per_generation": args.steps_per_generation,
+              "prompt_token_lengths": sorted(prompt_lengths)}
     Path(spec["result"]).write_text(json.dumps(result, indent=1))
 
 

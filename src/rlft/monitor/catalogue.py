@@ -20,7 +20,7 @@ _ONLINE = (
     "rollout/staleness_mean", "rollout/staleness_max",
     "time/generate", "time/score", "time/train", "time/step", "time/rollout_wait", "tokens_per_s")
 _ONLINE_IF = {
-    "kl": ("kl",),
+    "kl": ("kl", "time/reference"),
     "tis": ("rollout/tis_weight_mean", "rollout/tis_capped_frac"),
     "dynamic_sampling": ("dynamic_sampling/rounds", "dynamic_sampling/dropped_groups", "dynamic_sampling/kept_groups",
                          "dynamic_sampling/reward_mean_before_filter"),
@@ -37,6 +37,7 @@ METRIC_DESCRIPTIONS = {
     "time/rollout_wait": "Seconds the step waited for its rollouts: sampling and scoring them in a synchronous "
                          "run, the wait on the sampler thread's queue in an async one (whose time/sampler_wait "
                          "is how long the sampler waited for the weights the batch needed).",
+    "time/reference": "Seconds of the step spent on the reference model's log-probs (part of time/train).",
     "kl": "KL(pi || reference) per token on the sampled tokens, with algorithm.kl_estimator (k1, k2 or k3), "
           "measured before the step's update; what an adaptive beta steers toward algorithm.kl_target.",
 }

@@ -280,9 +280,11 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
     # KL to the reference on the sampled tokens: a loss term, or a penalty in the token rewards
     ref_lp = kl_tok = None
     if reference is not None:
+        ref_start = time.perf_counter()
         with session.autocast():
             ref_lp = reference_logprobs(reference, batch, s.temperature, s.micro_batch_size, world, s.packing,
                                         s.shared_prefix)
+        metrics["time/reference"] = time.perf_counter() - ref_start
         kl_tok = KL_ESTIMATORS[s.kl_estimator](batch.sampling_logprobs, ref_lp)  # [N, T]
         kl_sum, tokens = world.sum([float((kl_tok * batch.completion_mask).sum()), float(batch.completion_mask.sum())])
         metrics["kl"] = kl_sum / max(tokens, 1.0)
