@@ -139,17 +139,20 @@ def test_grpo_with_compile_trains(tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
-def test_a_missing_cpp_compiler_is_one_config_error(monkeypatch):
+def test_a_missing_cpp_compiler_is_one_config_error():
     import torch._inductor.config as inductor_config
     from torch._inductor.cpp_builder import cpp_compiler_search
 
-    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/g++"))
+    # inductor's own patch: monkeypatch's undo of a config proxy's attribute deleted the entry, and
+    # every later inductor compile in the process (vLLM's) failed on "cpp.cxx does not exist"
     cpp_compiler_search.cache_clear()
     try:
-        with pytest.raises(ConfigError, match=r"training\.compile.*C\+\+ compiler(.|\n)*Fix: install one"):
-            check_compile_available(torch.device("cpu"))
+        with inductor_config.patch({"cpp.cxx": (None, "/nonexistent/g++")}):
+            with pytest.raises(ConfigError, match=r"training\.compile.*C\+\+ compiler(.|\n)*Fix: install one"):
+                check_compile_available(torch.device("cpu"))
     finally:
         cpp_compiler_search.cache_clear()
+    assert inductor_config.cpp.cxx != (None, "/nonexistent/g++")  # restored
 
 
 def test_compile_is_off_by_default_and_a_bool():
