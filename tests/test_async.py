@@ -175,7 +175,8 @@ def test_pacing_gives_every_batch_its_exact_version_whatever_the_timing():
         assert threading.active_count() <= threads_before  # the sampler thread is gone after close()
 
 
-@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 2])  # k = 1 also: stop/continue tests below; -m slow
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
+# make test under 10 min: resume stays covered there by the stop/continue tests below; -m slow runs these
 def test_sigkill_at_a_random_moment_then_resume_is_bitwise_identical(root, k):
     reference = root / f"run-k{k}"
     if not reference.exists():

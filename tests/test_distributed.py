@@ -211,7 +211,7 @@ def test_each_rank_samples_from_the_trained_weights_with_the_hf_engine(root, two
     assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows), [r["rollout/logprob_diff_max"] for r in rows]
 
 
-@pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("first, then", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])
 def test_a_run_killed_on_one_world_size_resumes_on_another(root, first, then):
     """SIGKILL right after the step-2 checkpoint, resumed on the other world size to step 4: it
     ends where an uninterrupted run ends (to float tolerance: summation order differs between
@@ -425,6 +425,7 @@ def wait_gone(pids: list[int], within: float) -> None:
     assert not left, f"still running {within:g} s later: {left}"
 
 
+@pytest.mark.slow  # ~40 s; make test keeps test_a_stopped_or_killed_launcher_leaves_no_rank_behind
 def test_sigterm_to_the_launcher_stops_every_rank_with_a_checkpoint(root):
     """Issue 23: SIGTERM to `rlft train --nproc 2` killed torchrun and left both ranks training as
     orphans holding the run lock. Now it goes through torchrun to every rank, which saves a

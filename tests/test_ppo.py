@@ -115,7 +115,7 @@ def test_critic_warmup_trains_only_the_critic(setup, kind, lr, monkeypatch):
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
-@pytest.mark.parametrize("kind", ["separate", "shared"])
+@pytest.mark.parametrize("kind", ["separate", pytest.param("shared", marks=pytest.mark.slow)])
 def test_ppo_continues_exactly_from_a_checkpoint(setup, kind):
     """4 steps in one go == 2 steps, then continued to 4 from the checkpoint (critic weights,
     critic optimizer and the value head all come back). The shorter run's end-of-run eval samples

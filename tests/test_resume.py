@@ -114,7 +114,7 @@ def kill_at_random(cfg_path: Path, run: Path, rng: random.Random, min_steps: int
 
 
 # the LoRA variants take ~30-50 s each on 2 cores: `make test-slow` (make test keeps the full ones)
-@pytest.mark.parametrize("kind,lora", [("sft", False), pytest.param("sft", True, marks=pytest.mark.slow),
+@pytest.mark.parametrize("kind,lora", [pytest.param("sft", False, marks=pytest.mark.slow), pytest.param("sft", True, marks=pytest.mark.slow),
                                        ("grpo", False), pytest.param("grpo", True, marks=pytest.mark.slow)])
 def test_sigkill_at_a_random_moment_then_resume_is_bitwise_identical(root, kind, lora):
     make = sft_config if kind == "sft" else grpo_config

@@ -116,6 +116,7 @@ def test_stopping_and_continuing_with_the_process_sampler_is_exact(root):  # noq
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.slow  # make test names a killed child at the engine level (the first test here)
 def test_a_killed_sampler_process_stops_the_run_with_a_checkpoint_and_resumes_identically(root, monkeypatch):  # noqa: F811
     """SIGKILL to the child before its 3rd batch: the loop trains what was sampled, stops naming
     the signal, saves the last completed step; the resumed run (a new child) equals the reference."""
