@@ -296,12 +296,14 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
     # values): every rank computes the same, then keeps its rows
     with session.autocast():
         values = critic.values(batch, world) if critic is not None else None
-    global_rows, (first, stop) = gather_rows(world, rewards_tok, batch.completion_mask, batch.group_ids, valid,
-                                             *(() if values is None else (values,)))
-    rewards_g, mask_g, groups_g, valid_g = global_rows[:4]
-    if teacher is not None:  # on-policy distillation: each token's own signal, from the teacher
+    if teacher is not None:  # on-policy distillation: each token's own signal, from the teacher (no gather)
         advantages, adv_metrics = _distillation_advantages(session, teacher, batch, s)
+        global_sequences = None
     else:
+        global_rows, (first, stop) = gather_rows(world, rewards_tok, batch.completion_mask, batch.group_ids, valid,
+                                                 *(() if values is None else (values,)))
+        rewards_g, mask_g, groups_g, valid_g = global_rows[:4]
+        global_sequences = int(mask_g.shape[0])
         if critic is None:
             advantages_g, adv_metrics = ADVANTAGE_ESTIMATORS[s.advantage](
                 rewards_g, mask_g.bool(), groups_g, valid_g.bool(), std_floor=s.std_floor, gamma=s.gamma, lam=s.lam)
@@ -324,7 +326,8 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
     metrics.update(update)
     metrics["nonfinite_skipped"] = float(session.nonfinite_total)
     if "kl" in metrics:  # measured on every sequence of the global batch
-        kl_ctl.update(metrics["kl"], int(mask_g.shape[0]))
+        kl_ctl.update(metrics["kl"], global_sequences if global_sequences is not None
+                      else int(world.sum([batch.completion_mask.shape[0]])[0]))
     metrics["time/train"] = time.perf_counter() - start
     return metrics
 
