@@ -16,8 +16,11 @@ Modes: `sync` gives both cores to each phase in turn (training.num_threads=2), a
 threads busy-wait on each other, training/threads.py); `k=1` and `k=2` give one core to the sampler
 thread and one to the trainer (num_threads=1, which torch applies in each thread), generating in the
 sampler thread (rollout.sampler=thread: one process, one GIL); `k=1 proc` and `k=2 proc` generate in
-a child process (rollout.sampler=process, one thread there). Every run uses rollout_correction=tis,
-so the loss is the same. `--modes "k=1 proc" sync-1t` runs a subset.
+a child process (rollout.sampler=process, one thread there); the `cont` modes (agent workload) run
+the agent's turns with agent.schedule=continuous (a slow call holds up only its own episode), the
+others in rounds. Every run uses rollout_correction=tis, so the loss is the same.
+`--modes "k=1 proc" sync-1t` runs a subset; `--lr` sets every run's learning rate (default 5e-5,
+at which the agent workload's episodes keep calling the tool over 8 steps).
 
 Per run: s/step (median over steps 2.., the first step has nothing to overlap with), completion
 tokens/s over those steps, the idle share of each side, the held-out reward (eval/reward_mean after
@@ -45,12 +48,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import HERE, ROOT, build_models, rel, rlft_command, run_child, tail  # noqa: E402
 
-# (name, async_steps, torch threads, rollout.sampler): sync as the issue asks (both cores for each
-# phase), and sync on one thread, which a loaded machine can favour (busy-waiting OpenMP threads, see
-# training/threads.py); async with the sampler's engine in the trainer's process (a thread, sharing
-# its GIL) or in a child process
-MODES = (("sync", 0, 2, "auto"), ("sync-1t", 0, 1, "auto"), ("k=1", 1, 1, "thread"), ("k=2", 2, 1, "thread"),
-         ("k=1 proc", 1, 1, "process"), ("k=2 proc", 2, 1, "process"))
+# (name, async_steps, torch threads, rollout.sampler, agent.schedule): sync as the issue asks (both
+# cores for each phase), and sync on one thread, which a loaded machine can favour (busy-waiting
+# OpenMP threads, see training/threads.py); async with the sampler's engine in the trainer's process
+# (a thread, sharing its GIL) or in a child process; the agent's turns in rounds or continuous
+# (agent.schedule; the small workload has no agent, its "cont" rows are not run)
+MODES = (("sync", 0, 2, "auto", "rounds"), ("sync-1t", 0, 1, "auto", "rounds"), ("k=1", 1, 1, "thread", "rounds"),
+         ("k=2", 2, 1, "thread", "rounds"), ("k=1 proc", 1, 1, "process", "rounds"),
+         ("k=2 proc", 2, 1, "process", "rounds"), ("sync cont", 0, 2, "auto", "continuous"),
+         ("k=1 proc cont", 1, 1, "process", "continuous"), ("k=2 proc cont", 2, 1, "process", "continuous"))
 TOOL = f"{rel(Path(__file__).resolve())}:lookup"
 
 
@@ -121,13 +127,13 @@ def sft_tool_model(work: Path, base: Path, threads: int) -> Path:
 
 
 def grpo_config(name: str, workload: str, model: Path, k: int, threads: int, steps: int, evals: Path,
-                work: Path, sampler: str = "auto") -> dict:
+                work: Path, sampler: str = "auto", schedule: str = "rounds", lr: float = 5e-5) -> dict:
     agent = workload == "agent"
     return {
         "method": "grpo", "output_dir": rel(work / "runs" / name), "seed": 0,
         "model": {"path": rel(model), "device": "cpu"},
         "data": {"train": rel(HERE / "prompts.jsonl"), "eval": rel(evals), "max_prompt_length": 128},
-        "training": {"learning_rate": 5e-5, "max_steps": steps, "num_threads": threads, "precision": "fp32",
+        "training": {"learning_rate": lr, "max_steps": steps, "num_threads": threads, "precision": "fp32",
                      "lr_scheduler": "constant"},
         "rollout": {"group_size": 4 if agent else 8, "prompts_per_step": 4, "max_new_tokens": 96 if agent else 48,
                     "async_steps": k, "sampler": sampler},
@@ -137,7 +143,8 @@ def grpo_config(name: str, workload: str, model: Path, k: int, threads: int, ste
         # (digit share 0 or ~1) at the smallest weight change
         "eval": {"max_examples": 32, "max_new_tokens": 32, "batch_size": 128, "temperature": 1.0, "num_samples": 4},
         "logging": {"progress": False},
-        **({"agent": {"tools": [TOOL], "max_turns": 4, "max_total_tokens": 480}} if agent else {}),
+        **({"agent": {"tools": [TOOL], "max_turns": 4, "max_total_tokens": 480,
+                                "schedule": schedule}} if agent else {}),
     }
 
 
@@ -165,11 +172,11 @@ def run_workload(workload: str, args, work: Path) -> list[dict]:
         model = sft_tool_model(work, model, 2)
     evals = held_out(work / "async-heldout.jsonl")
     results = []
-    for mode, k, threads, sampler in MODES:
-        if args.modes and mode not in args.modes:
+    for mode, k, threads, sampler, schedule in MODES:
+        if (args.modes and mode not in args.modes) or (schedule != "rounds" and workload != "agent"):
             continue
         name = f"async-{workload}-{mode.replace('=', '').replace(' ', '-')}"
-        cfg = grpo_config(name, workload, model, k, threads, args.steps, evals, work, sampler)
+        cfg = grpo_config(name, workload, model, k, threads, args.steps, evals, work, sampler, schedule, args.lr)
         path = work / "configs" / f"{name}.yaml"
         path.write_text(json.dumps(cfg))
         shutil.rmtree(ROOT / cfg["output_dir"], ignore_errors=True)  # an existing run would be continued
@@ -185,7 +192,7 @@ def run_workload(workload: str, args, work: Path) -> list[dict]:
             results.append({"workload": workload, "mode": mode, "async_steps": k, "ok": False, "log": res["log"]})
             continue
         results.append({"workload": workload, "mode": mode, "async_steps": k, "threads": threads, "sampler": sampler,
-                        "ok": True,
+                        "schedule": schedule, "ok": True,
                         "partial": res["time_limited"], "load_before": load, "wall_s": res["wall_s"],
                         **summarise(rows), "log": res["log"]})
     syncs = [r for r in results if r["ok"] and r["async_steps"] == 0]
@@ -217,6 +224,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", choices=["small", "agent", "both"], default="both")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=5e-5, help="training.learning_rate of every run")
     parser.add_argument("--agent-model", choices=["tiny", "small"], default="tiny")
     parser.add_argument("--modes", nargs="+", choices=[m[0] for m in MODES], help="run only these (default: all)")
     parser.add_argument("--time-limit", type=float, default=900, help="seconds per run (then: the steps it did)")

@@ -471,6 +471,13 @@ class AgentConfig(Section):
     on_tool_error: Literal["observe", "end"] = Field(
         "observe", description="A turn whose calls include a failed one: observe = the model reads the error results "
                                "and goes on; end = the episode ends there (finish 'stop', nothing inserted).")
+    schedule: Literal["rounds", "continuous"] = Field(
+        "rounds", description="How episodes share the engine: rounds = every live episode's next turn in one batch, "
+                              "after the slowest tool call of the round (bitwise reproducible); continuous = each "
+                              "turn joins the decode batch as soon as its episode's calls return, so a slow call "
+                              "holds up only its own episode (faster with slow tools; the same sampling streams, but "
+                              "which rows share a batch follows tool timing, so float rounding is not reproducible "
+                              "bit for bit). rollout.engine=hf (LLaMA-family models; others keep rounds).")
 
     @field_validator("environment")
     @classmethod
@@ -776,6 +783,10 @@ class Config(Section):
         if self.algorithm.sft_mix and not self.is_online:
             raise ValueError(f"algorithm.sft_mix adds an SFT loss to online RL; method {self.method} does not use it")
         if self.agent is not None:
+            if self.agent.schedule == "continuous" and self.is_online and self.rollout.engine == "vllm":
+                raise ValueError("agent.schedule=continuous runs in the hf engine's decode batch; with "
+                                 "rollout.engine=vllm set agent.schedule=rounds (vLLM batches each round's turns "
+                                 "itself) or use rollout.engine=hf")
             if not self.is_online and self.method != "sft":
                 raise ValueError(f"agent: tools are used in online rollouts and in SFT on tool-use transcripts; "
                                  f"method {self.method} does neither (drop the agent section, or use sft or an "

@@ -66,7 +66,7 @@ def turn_driver(cfg: AgentConfig, engine: Engine, tokenizer: Any, seed: int = 0,
     environment = None if cfg.environment is None else \
         load_environment(cfg.environment, cfg.environment_args, seed, max_prompt_tokens)
     return TurnDriver(engine, tokenizer, load_tools(cfg.tools), pick_parser(cfg.parser, tokenizer.chat_template),
-                      limits, cfg.check_drift, environment, cfg.tools_prompt)
+                      limits, cfg.check_drift, environment, cfg.tools_prompt, cfg.schedule)
 
 
 def tool_transcripts(cfg: AgentConfig, tokenizer: Any) -> Any:

@@ -126,6 +126,31 @@ class LeanDecoder:
         self.keys = [k[rows] for k in self.keys]
         self.values = [v[rows] for v in self.values]
 
+    def merge(self, cache: Any, start: int, capacity: int) -> tuple[int, int]:
+        """Rows join the batch mid-generation (continuous batching): the rows of a new prefill's
+        KV cache (left-padded, all ending at its last column) are appended to the rows being
+        decoded, whose first `start` columns (keys no row attends to any more) are dropped. Both
+        are right-aligned so every row's next key goes in one column again, into new buffers of
+        `capacity` columns, zero elsewhere (a masked key must still be finite: its weight 0 times
+        a NaN would be NaN). Returns (the first column of the kept old columns, that of the new rows)."""
+        width, kept = cache.layers[0].keys.shape[2], self.length - start
+        length = max(kept, width)
+        if length > capacity:
+            raise ValueError(f"capacity {capacity} < {length} columns")
+        old_at, new_at = length - kept, length - width
+        keys, values = [], []
+        for i, layer in enumerate(cache.layers):
+            for old, new, out in ((self.keys[i] if self.keys else None, layer.keys, keys),
+                                  (self.values[i] if self.values else None, layer.values, values)):
+                rows = 0 if old is None else old.shape[0]
+                buf = new.new_zeros((rows + new.shape[0], new.shape[1], capacity, new.shape[3]))
+                if rows:
+                    buf[:rows, :, old_at:length] = old[:, :, start:self.length]
+                buf[rows:, :, new_at:length] = new
+                out.append(buf)
+        self.keys, self.values, self.length, self.capacity = keys, values, length, capacity
+        return old_at, new_at
+
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # as the models' RMSNorm: normalise in float32, scale in the model's dtype
         return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)

@@ -83,6 +83,16 @@ class HFEngine:
             self.model.train(was_training)
         return out
 
+    def continuous(self, params: SamplingParams) -> Any:
+        """A continuous batch (rollout/continuous.py) for one request's turns, claiming its call as
+        `generate` would for the first turn; None where the lean decoder cannot run this model."""
+        if not self.fast_decode or LeanDecoder.build(self.model, 1) is None:
+            return None
+        from rlft.rollout.continuous import ContinuousBatch
+
+        call, self._calls = call_number(self._calls, None)
+        return ContinuousBatch(self, params, call)
+
     def _uniforms(self, seeds: list[int], steps: int) -> torch.Tensor:
         """[rows, steps] uniforms, row r from its own stream: one draw per token position."""
         out = torch.empty((len(seeds), steps))

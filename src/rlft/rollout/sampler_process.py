@@ -86,6 +86,10 @@ class ProcessEngine:
         return self._call("generate", [list(p) for p in prompts], params, first_prompt,
                           None if streams is None else list(streams))
 
+    def continuous(self, params: SamplingParams) -> "_RemoteBatch | None":
+        """The child engine's continuous batch (rollout/continuous.py), driven over the pipe."""
+        return _RemoteBatch(self) if self._call("continuous", params) else None
+
     def sync_weights(self) -> None:
         """The new weights are already in the shared storages (the caller copied them in): confirm
         the child is alive to sample from them (a dead one fails this push, by name)."""
@@ -161,8 +165,21 @@ class ProcessEngine:
             how = f"was killed by {name} (exit code {code})"
         else:
             how = f"exited with code {code}"
-        during = {"sync": "a weight push", "generate": "generation"}.get(op, op)
+        during = {"sync": "a weight push"}.get(op, "generation" if op.startswith(("generate", "continuous")) else op)
         return f"the sampler process (pid {self.pid}) {how} during {during}"
+
+
+class _RemoteBatch:
+    """The parent's handle on the child's continuous batch: each call one round trip."""
+
+    def __init__(self, engine: ProcessEngine):
+        self.engine = engine
+
+    def add(self, requests: list) -> None:
+        self.engine._call("continuous_add", requests)
+
+    def step(self, max_steps: int) -> tuple[list, bool]:
+        return self.engine._call("continuous_step", max_steps)
 
 
 def _kill(process: Any) -> None:
@@ -209,7 +226,7 @@ def _serve(conn: Any, parent: int) -> None:
         os.setsid()  # out of the terminal's process group: group signals are the parent's to handle
     except OSError:
         pass
-    engine = None
+    engine = batch = None
     while True:
         try:
             while not conn.poll(_POLL_S):
@@ -227,6 +244,14 @@ def _serve(conn: Any, parent: int) -> None:
                 value = None
             elif op == "generate":
                 value = engine.generate(*args)
+            elif op == "continuous":
+                batch = engine.continuous(*args)
+                value = batch is not None
+            elif op == "continuous_add":
+                batch.add(*args)
+                value = None
+            elif op == "continuous_step":
+                value = batch.step(*args)
             elif op == "load_state":
                 engine.load_state_dict(args[0])
                 value = None

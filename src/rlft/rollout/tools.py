@@ -164,6 +164,11 @@ class PendingCall:
         except BaseException as exc:  # noqa: BLE001  (anything a tool raises is an observation)
             self.outcome.append(("error", exc))
 
+    def ready(self, timeout_s: float) -> bool:
+        """Whether `result(timeout_s)` would answer without waiting."""
+        return (self.immediate is not None or bool(self.outcome)
+                or time.perf_counter() - self.start >= timeout_s)
+
     def result(self, timeout_s: float) -> ToolResult:
         """Wait at most until `timeout_s` after the call started."""
         if self.immediate is not None:

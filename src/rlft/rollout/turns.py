@@ -20,10 +20,13 @@ in the sampled ids and is left out of the tail; otherwise (EOS, a stop string) t
 Limits: `max_turns` assistant turns; `max_total_tokens`, one budget for everything after the
 prompt (sampled and inserted tokens): a turn is cut where the budget ends (a prefix of a sample is
 a sample; the episode ends as 'length'), and an observation that would fill it ends the episode as
-truncated, never inserted in part. Deviation from a per-episode engine call: the turns of all live
-episodes are sampled in one engine call per round (n=1 each). A later turn's sampling stream is
-named by (global prompt index, sample, turn) within the request the first turn made, so an
-episode is the same whichever episodes share its rounds and whichever rank runs it.
+truncated, never inserted in part. Schedules (agent.schedule): `rounds` samples the turns of all live
+episodes in one engine call per round (n=1 each) and runs the round's calls before the next;
+`continuous` hands each turn to the engine's continuous batch (rollout/continuous.py) as soon as
+its episode's calls have returned, so a slow call holds up only its own episode. A later turn's
+sampling stream is named by (global prompt index, sample, turn) within the request the first turn
+made, so an episode is the same whichever episodes share its rounds (or decode steps) and
+whichever rank runs it.
 
 The re-render check (`check_drift`) measures what a decode-and-re-encode pipeline would have
 trained on instead: the finished transcript through the template, tokenized, against the trained
@@ -33,7 +36,9 @@ difference on (a sampled text the tokenizer would split differently shows up the
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -165,12 +170,19 @@ class _Live:
 
 class TurnDriver:
     """Samples whole episodes: `run(prompts, params)` returns params.n Completions per prompt,
-    grouped by prompt like `Engine.generate`, each one whole episode."""
+    grouped by prompt like `Engine.generate`, each one whole episode. `schedule`: 'rounds' (every
+    live episode's next turn in one engine call, after the slowest call of the round) or
+    'continuous' (each turn joins the engine's batch when its episode is ready; an engine without
+    a continuous batch keeps rounds)."""
+
+    STEPS_PER_POLL = 8  # continuous: decode steps between looks at the running tool calls
 
     def __init__(self, engine: Engine, tokenizer: Any, tools: list[Tool], parser: Parser,
                  limits: AgentLimits = AgentLimits(), check_drift: bool = True,
-                 environment: EnvironmentSource | None = None, tools_prompt: str | None = None):
+                 environment: EnvironmentSource | None = None, tools_prompt: str | None = None,
+                 schedule: str = "rounds"):
         self.engine, self.tokenizer, self.parser, self.limits = engine, tokenizer, parser, limits
+        self.schedule = schedule
         self.check_drift, self.environment = check_drift, environment
         self.tools = {t.name: t for t in tools}
         self.encoder = ObservationEncoder(tokenizer, [t.schema for t in tools], parser.syntax, tools_prompt)
@@ -188,32 +200,92 @@ class TurnDriver:
                       record=Episode(list(m), max_tokens=lim.max_total_tokens,
                                      env_rewards=None if envs[i][k] is None else []))
                 for i, (m, ids) in enumerate(zip(prompts, prompt_ids)) for k in range(params.n)]
-        episodes, turn = list(live), 0
+        opener = getattr(self.engine, "continuous", None) if self.schedule == "continuous" else None
+        batch = None if opener is None else opener(params)
+        if batch is None:
+            self._rounds(live, params, first_prompt)
+        else:
+            self._continuous(batch, live, params, first_prompt)
+        if self.check_drift:
+            for ep in live:
+                ep.record.retokenize_drift = self._drift(ep)
+        return [self._completion(e) for e in live]
+
+    def _rounds(self, live: list[_Live], params: SamplingParams, first_prompt: int) -> None:
+        """Every live episode's next turn in one engine call, then every call of the round."""
+        lim, turn = self.limits, 0
         while live:
             turn += 1
             budget = max(lim.max_total_tokens - len(e.ids) for e in live)
-            turn_params = SamplingParams(n=params.n if turn == 1 else 1, temperature=params.temperature,
-                                         top_p=params.top_p, top_k=params.top_k, stop=params.stop,
-                                         max_new_tokens=min(params.max_new_tokens, budget))
+            turn_params = dataclasses.replace(params, n=params.n if turn == 1 else 1,
+                                              max_new_tokens=min(params.max_new_tokens, budget))
             if turn == 1:
-                outs = self.engine.generate(prompt_ids, turn_params, first_prompt=first_prompt)
+                outs = self.engine.generate([e.prompt_ids for e in live[::params.n]], turn_params,
+                                            first_prompt=first_prompt)
             else:
-                names = [f"{first_prompt + e.prompt_index}/{e.index - e.prompt_index * params.n}/{turn}" for e in live]
-                outs = self.engine.generate([e.prompt_ids + e.ids for e in live], turn_params, streams=names)
+                outs = self.engine.generate([e.prompt_ids + e.ids for e in live], turn_params,
+                                            streams=[self._stream_name(e, params.n, first_prompt, turn) for e in live])
             wanting: list[tuple[_Live, list]] = []
-            acting: list[_Live] = []  # turns without calls that an environment answers
+            going_on = []
             for ep, out in zip(live, outs):
                 calls = self._take_turn(ep, out, turn, params.stop)
                 if calls:
-                    wanting.append((ep, calls))
-                elif ep.env is not None and ep.finish == "stop" and not ep.record.max_turns_reached:
-                    acting.append(ep)  # (a turn cut by a length limit is no finished action)
-            going_on = self._insert_observations(wanting) + self._step_environments(acting, turn)
+                    wanting.append((ep, self._start_calls(calls)))
+                elif self._acts(ep) and self._step_environment(ep, turn):
+                    going_on.append(ep)
+            going_on += [ep for ep, started in wanting if self._observe(ep, started)]
             live = sorted(going_on, key=lambda e: e.index)  # each round's requests in episode order
-        if self.check_drift:
-            for ep in episodes:
-                ep.record.retokenize_drift = self._drift(ep)
-        return [self._completion(e) for e in episodes]
+
+    def _continuous(self, batch: Any, live: list[_Live], params: SamplingParams, first_prompt: int) -> None:
+        """Each episode's next turn joins the engine's batch as soon as the episode can take it (its
+        calls returned), while the other episodes keep decoding (rollout/continuous.py)."""
+        from rlft.rollout.continuous import TurnRequest
+
+        n = params.n
+
+        def request(ep: _Live) -> TurnRequest:
+            turn = ep.record.turns + 1
+            room = min(params.max_new_tokens, self.limits.max_total_tokens - len(ep.ids))
+            if turn == 1:
+                return TurnRequest(ep.index, ep.prompt_ids, room, ep.prompt_index,
+                                   index=(first_prompt + ep.prompt_index) * n + ep.index % n, share=ep.prompt_index)
+            return TurnRequest(ep.index, ep.prompt_ids + ep.ids, room, ep.prompt_index,
+                               name=self._stream_name(ep, n, first_prompt, turn))
+
+        by_index = {ep.index: ep for ep in live}
+        batch.add([request(ep) for ep in live])
+        waiting: list[tuple[_Live, list]] = []  # episodes whose calls are running
+        busy = True
+        while busy or waiting:
+            answered = [w for w in waiting if all(call.ready(self.limits.tool_timeout_s) for _, call in w[1])]
+            if answered:
+                waiting = [w for w in waiting if w not in answered]
+                batch.add([request(ep) for ep, started in answered if self._observe(ep, started)])
+                busy = True
+            if not busy:
+                time.sleep(0.001)  # every episode waits on a tool
+                continue
+            finished, busy = batch.step(self.STEPS_PER_POLL)
+            for key, out in finished:
+                ep = by_index[key]
+                turn = ep.record.turns + 1
+                calls = self._take_turn(ep, out, turn, params.stop)
+                if calls:
+                    waiting.append((ep, self._start_calls(calls)))
+                elif self._acts(ep) and self._step_environment(ep, turn):
+                    batch.add([request(ep)])
+                    busy = True
+
+    @staticmethod
+    def _stream_name(ep: _Live, n: int, first_prompt: int, turn: int) -> str:
+        """A later turn's sampling stream: (global prompt index, sample, turn)."""
+        return f"{first_prompt + ep.prompt_index}/{ep.index - ep.prompt_index * n}/{turn}"
+
+    @staticmethod
+    def _acts(ep: _Live) -> bool:
+        """A turn without calls that the episode's environment answers (a turn cut by a length
+        limit is no finished action)."""
+        return ep.env is not None and ep.finish == "stop" and not ep.record.max_turns_reached
 
     def _start_environments(self, prompts: Sequence[Messages], n: int, first_prompt: int,
                             rows: Sequence[EpisodeRow] | None) -> tuple[list[Messages], list[list]]:
@@ -229,26 +301,23 @@ class TurnDriver:
     def _default_rows(count: int, first_prompt: int) -> list[EpisodeRow]:
         return [EpisodeRow(f"prompt {first_prompt + i}", {}, first_prompt + i) for i in range(count)]
 
-    def _step_environments(self, acting: list[_Live], turn: int) -> list[_Live]:
-        """Step each episode's environment on its turn's text; the episodes that go on, with the
+    def _step_environment(self, ep: _Live, turn: int) -> bool:
+        """Step the episode's environment on its turn's text; whether it goes on, with the
         observation inserted as a user message."""
-        going_on = []
-        for ep in acting:
-            result = ep.env.step(ep.last_text)
-            record = ep.record
-            record.env_rewards.append(result.reward)
-            # the last allowed turn's action still earns its reward; its observation has no reader
-            if result.done or turn >= self.limits.max_turns:
-                record.env_done, record.max_turns_reached = result.done, not result.done
-                record.env_final = result.observation
-                continue
-            inserted = self._insert(ep, [{"role": "user", "content": result.observation}])
-            if inserted is None:
-                record.env_final = result.observation
-                continue
-            record.env_tokens += inserted
-            going_on.append(ep)
-        return going_on
+        result = ep.env.step(ep.last_text)
+        record = ep.record
+        record.env_rewards.append(result.reward)
+        # the last allowed turn's action still earns its reward; its observation has no reader
+        if result.done or turn >= self.limits.max_turns:
+            record.env_done, record.max_turns_reached = result.done, not result.done
+            record.env_final = result.observation
+            return False
+        inserted = self._insert(ep, [{"role": "user", "content": result.observation}])
+        if inserted is None:
+            record.env_final = result.observation
+            return False
+        record.env_tokens += inserted
+        return True
 
     def _drift(self, ep: _Live) -> int:
         """Trained tokens from the first one where the re-rendered transcript's tokens differ."""
@@ -289,46 +358,46 @@ class TurnDriver:
             return []
         return calls
 
-    def _insert_observations(self, wanting: list[tuple[_Live, list]]) -> list[_Live]:
-        """Run every call of this round (concurrently, each under its time limit), then append each
-        episode's observation; the episodes that go on."""
+    def _start_calls(self, calls: list) -> list[tuple[str, PendingCall]]:
+        """Start a turn's calls, each in its own thread (an unreadable or surplus call gets its
+        error result at once)."""
         lim = self.limits
-        pending: list[list[tuple[str, PendingCall]]] = []
-        for ep, calls in wanting:
-            started = []
-            for i, call in enumerate(calls):
-                if i >= lim.max_calls_per_turn:
-                    result = ToolResult(f"Error: at most {lim.max_calls_per_turn} tool calls per turn",
-                                        "too_many_calls")
-                elif call.error is not None:
-                    result = ToolResult(f"Error: the tool call could not be read; to call a tool, {self.parser.syntax}",
-                                        call.error)
-                else:
-                    started.append((call.name, start_call(self.tools, call.name, call.arguments)))
-                    continue
-                started.append((call.name or "?", PendingCall(result)))
-            pending.append(started)
-        going_on = []
-        for (ep, calls), started in zip(wanting, pending):
-            messages, failed = [], False
-            for name, call in started:
-                result = call.result(lim.tool_timeout_s)
-                ep.record.tool_calls += 1
-                if result.error is not None:
-                    ep.record.errors[result.error] = ep.record.errors.get(result.error, 0) + 1
-                    failed = True
-                if call.immediate is None:
-                    ep.record.tool_latency_s.append(result.seconds)
-                messages.append({"role": "tool", "name": name,
-                                 "content": cut_tool_output(self.tokenizer, result.text, lim.max_tool_output_tokens)})
-            if failed and lim.on_tool_error == "end":  # ends as the model left it: 'stop', no results shown
-                ep.record.ended_on_error = True
+        started = []
+        for i, call in enumerate(calls):
+            if i >= lim.max_calls_per_turn:
+                result = ToolResult(f"Error: at most {lim.max_calls_per_turn} tool calls per turn", "too_many_calls")
+            elif call.error is not None:
+                result = ToolResult(f"Error: the tool call could not be read; to call a tool, {self.parser.syntax}",
+                                    call.error)
+            else:
+                started.append((call.name, start_call(self.tools, call.name, call.arguments)))
                 continue
-            inserted = self._insert(ep, messages)
-            if inserted is not None:
-                ep.record.tool_tokens += inserted
-                going_on.append(ep)
-        return going_on
+            started.append((call.name or "?", PendingCall(result)))
+        return started
+
+    def _observe(self, ep: _Live, started: list[tuple[str, PendingCall]]) -> bool:
+        """Collect a turn's calls (each under its time limit) and append their observation;
+        whether the episode goes on."""
+        lim = self.limits
+        messages, failed = [], False
+        for name, call in started:
+            result = call.result(lim.tool_timeout_s)
+            ep.record.tool_calls += 1
+            if result.error is not None:
+                ep.record.errors[result.error] = ep.record.errors.get(result.error, 0) + 1
+                failed = True
+            if call.immediate is None:
+                ep.record.tool_latency_s.append(result.seconds)
+            messages.append({"role": "tool", "name": name,
+                             "content": cut_tool_output(self.tokenizer, result.text, lim.max_tool_output_tokens)})
+        if failed and lim.on_tool_error == "end":  # ends as the model left it: 'stop', no results shown
+            ep.record.ended_on_error = True
+            return False
+        inserted = self._insert(ep, messages)
+        if inserted is None:
+            return False
+        ep.record.tool_tokens += inserted
+        return True
 
     def _insert(self, ep: _Live, messages: Messages) -> int | None:
         """Append an observation (its ids encoded once, loss-masked) and its messages; the number of
