@@ -127,10 +127,11 @@ def sft_tool_model(work: Path, base: Path, threads: int) -> Path:
 
 
 def grpo_config(name: str, workload: str, model: Path, k: int, threads: int, steps: int, evals: Path,
-                work: Path, sampler: str = "auto", schedule: str = "rounds", lr: float = 5e-5) -> dict:
+                work: Path, sampler: str = "auto", schedule: str = "rounds", lr: float = 5e-5,
+                seed: int = 0) -> dict:
     agent = workload == "agent"
     return {
-        "method": "grpo", "output_dir": rel(work / "runs" / name), "seed": 0,
+        "method": "grpo", "output_dir": rel(work / "runs" / name), "seed": seed,
         "model": {"path": rel(model), "device": "cpu"},
         "data": {"train": rel(HERE / "prompts.jsonl"), "eval": rel(evals), "max_prompt_length": 128},
         "training": {"learning_rate": lr, "max_steps": steps, "num_threads": threads, "precision": "fp32",
@@ -175,8 +176,9 @@ def run_workload(workload: str, args, work: Path) -> list[dict]:
     for mode, k, threads, sampler, schedule in MODES:
         if (args.modes and mode not in args.modes) or (schedule != "rounds" and workload != "agent"):
             continue
-        name = f"async-{workload}-{mode.replace('=', '').replace(' ', '-')}"
-        cfg = grpo_config(name, workload, model, k, threads, args.steps, evals, work, sampler, schedule, args.lr)
+        name = f"async-{workload}-{mode.replace('=', '').replace(' ', '-')}" + (f"-seed{args.seed}" if args.seed else "")
+        cfg = grpo_config(name, workload, model, k, threads, args.steps, evals, work, sampler, schedule, args.lr,
+                          args.seed)
         path = work / "configs" / f"{name}.yaml"
         path.write_text(json.dumps(cfg))
         shutil.rmtree(ROOT / cfg["output_dir"], ignore_errors=True)  # an existing run would be continued
@@ -225,6 +227,7 @@ def main() -> None:
     parser.add_argument("--workload", choices=["small", "agent", "both"], default="both")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--lr", type=float, default=5e-5, help="training.learning_rate of every run")
+    parser.add_argument("--seed", type=int, default=0, help="the GRPO runs' seed (the SFT'd model stays)")
     parser.add_argument("--agent-model", choices=["tiny", "small"], default="tiny")
     parser.add_argument("--modes", nargs="+", choices=[m[0] for m in MODES], help="run only these (default: all)")
     parser.add_argument("--time-limit", type=float, default=900, help="seconds per run (then: the steps it did)")

@@ -173,13 +173,15 @@ def agent_config(root: Path, name: str, **sections) -> dict:
 
 @pytest.fixture(scope="module")
 def trained(calc) -> Path:
-    """One step with a held-out eval and an eval suite on the sums, both after the step."""
+    """One step with a held-out eval and an eval suite on the sums, both after the step; the
+    turns on the continuous schedule (agent.schedule), the evals' too (test_agents runs rounds)."""
     from rlft.api import train
 
     suite = {"name": "sums", "data": str(calc / "sums.jsonl"), "rewards": [{"fn": "math"}],
              "sampling": {"max_new_tokens": 80}}
     cfg = agent_config(calc, "run", data={"eval": str(calc / "sums.jsonl")},
-                       eval={"max_new_tokens": 80, "suites": [suite]}, training={"eval_every": 1})
+                       eval={"max_new_tokens": 80, "suites": [suite]}, training={"eval_every": 1},
+                       agent={"schedule": "continuous"})
     assert train(cfg)["status"] == "completed"
     return calc / "run"
 
@@ -203,6 +205,7 @@ def test_held_out_evals_and_suites_during_training_run_episodes(trained):
     from rlft.monitor.catalogue import check_metric_setting
 
     cfg = load_config(yaml.safe_load((trained / "config.yaml").read_text()))
+    assert cfg.agent.schedule == "continuous"
     for name in ("eval/agent/tool_error_rate", "agent/tool_calls_mean", "eval/sums/agent/turns_mean"):
         check_metric_setting("checkpoint.keep_best", name, cfg, ["math"])
     with pytest.raises(ConfigError, match="not a metric"):
