@@ -48,6 +48,14 @@ def llama_path(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", seed=0)
 
 
+@pytest.fixture(scope="session")
+def calculator_path(tmp_path_factory) -> Path:
+    """The tiny model trained to use the calculator (tests/agent_model.py), built once a session."""
+    from agent_model import build_calculator_model
+
+    return build_calculator_model(tmp_path_factory.mktemp("calculator") / "model")
+
+
 # -- multi-turn episodes without a model that can write calls --------------------------------
 
 def call_text(name: str, arguments) -> str:

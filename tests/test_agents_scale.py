@@ -9,6 +9,7 @@ without them 0 -- an eval that silently stayed single-turn shows."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from agent_model import SUMS, build_calculator_model, prompt_rows
+from agent_model import SUMS, prompt_rows
 from conftest import run_main
 from rlft.rollout.contract import Completion, Episode, SamplingParams
 from rlft.rollout.tool_calls import ParsedCall, hermes
@@ -147,10 +148,10 @@ def test_a_later_turns_requests_are_capped_at_what_the_engine_holds():
 # ---- end to end, with the model that uses the calculator --------------------------------------
 
 @pytest.fixture(scope="module")
-def calc(tmp_path_factory) -> Path:
+def calc(tmp_path_factory, calculator_path) -> Path:
     """A folder with the calculator model (`model/`) and its sums as prompt rows (`sums.jsonl`)."""
     root = tmp_path_factory.mktemp("calc")
-    build_calculator_model(root / "model")
+    shutil.copytree(calculator_path, root / "model")
     (root / "sums.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompt_rows()))
     return root
 

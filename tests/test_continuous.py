@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from agent_model import SUMS, build_calculator_model, question
+from agent_model import SUMS, question
 from rlft.rollout.contract import SamplingParams
 from rlft.rollout.continuous import TurnRequest
 from rlft.rollout.hf import HFEngine, generation_stop_ids
@@ -31,11 +31,11 @@ def close(a, b) -> bool:
 
 
 @pytest.fixture(scope="module")
-def calc(tmp_path_factory):
+def calc(calculator_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = build_calculator_model(tmp_path_factory.mktemp("continuous") / "model")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
+    return (AutoModelForCausalLM.from_pretrained(calculator_path, dtype=torch.float32),
+            AutoTokenizer.from_pretrained(calculator_path))
 
 
 def engine_for(model, tokenizer, **kw) -> HFEngine:

@@ -34,6 +34,7 @@ from rlft.models.forward import position_ids_for
 from rlft.models.precision import autocast_to
 from rlft.rollout.contract import Completion, SamplingParams
 from rlft.rollout.fast_decode import LeanDecoder
+from rlft.rollout.hf import left_padded
 from rlft.rollout.seeds import named_stream_seed, stream_seed
 
 
@@ -53,13 +54,14 @@ class TurnRequest:
 
 
 class ContinuousBatch:
-    def __init__(self, engine: Any, params: SamplingParams, call: int):
-        self.engine, self.params, self.call = engine, params, call
+    def __init__(self, engine: Any, params: SamplingParams, call: int, decoder: LeanDecoder):
+        """`decoder`: a LeanDecoder of the engine's model as it is now (LoRA folded in); its
+        buffers are made as rows join."""
+        self.engine, self.params, self.call, self.decoder = engine, params, call, decoder
         self.queue: list[TurnRequest] = []
         self.rows: list[TurnRequest] = []  # the rows being decoded, in batch order
         self.tokens: list[list[int]] = []
         self.logprobs: list[list[float]] = []
-        self.decoder: LeanDecoder | None = None
         self.logits: torch.Tensor | None = None  # [B, V]: each row's next-token logits
         self.mask: torch.Tensor | None = None  # [B, L] bool: each row's valid keys
         self.next_pos: torch.Tensor | None = None  # [B, 1]
@@ -98,16 +100,10 @@ class ContinuousBatch:
         joining, self.queue = self.queue[:room], self.queue[room:]
         engine = self.engine
         rows = [(r.key if r.share is None else ("share", r.share), r.ids) for r in joining]
-        width = max(len(ids) for _, ids in rows)
-        input_ids = torch.full((len(rows), width), engine.pad_id, dtype=torch.long, device=engine.device)
-        attention = torch.zeros((len(rows), width), dtype=torch.long, device=engine.device)
-        for r, (_, ids) in enumerate(rows):  # left padding, as HFEngine._generate_batch
-            input_ids[r, width - len(ids):] = torch.tensor(ids, device=engine.device)
-            attention[r, width - len(ids):] = 1
+        input_ids, attention = left_padded([ids for _, ids in rows], engine.pad_id, engine.device)
+        width = input_ids.shape[1]
         positions = position_ids_for(attention)
         logits, cache = engine._prefill(rows, input_ids, attention, positions)
-        if self.decoder is None:
-            self.decoder = LeanDecoder.build(engine.model, 1)
         start = 0  # the columns no row in flight attends to any more are dropped
         if self.rows:
             start = int(self.mask.any(0).nonzero()[0])

@@ -41,6 +41,18 @@ def generation_stop_ids(model: Any, tokenizer: Any) -> list[int]:
     return ids
 
 
+def left_padded(seqs: Sequence[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention mask), both `[n, longest]`: left padding, so every row ends at the
+    same column and its next token goes in the same one."""
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
+    attention = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
+    for r, s in enumerate(seqs):
+        input_ids[r, width - len(s):] = torch.tensor(s, device=device)
+        attention[r, width - len(s):] = 1
+    return input_ids, attention
+
+
 class HFEngine:
     def __init__(self, model: Any, tokenizer: Any, stop_ids: Sequence[int], device: torch.device,
                  seed: int = 0, batch_size: int | None = None, fast_decode: bool = True,
@@ -86,12 +98,13 @@ class HFEngine:
     def continuous(self, params: SamplingParams) -> Any:
         """A continuous batch (rollout/continuous.py) for one request's turns, claiming its call as
         `generate` would for the first turn; None where the lean decoder cannot run this model."""
-        if not self.fast_decode or LeanDecoder.build(self.model, 1) is None:
+        decoder = LeanDecoder.build(self.model, 1) if self.fast_decode else None
+        if decoder is None:
             return None
         from rlft.rollout.continuous import ContinuousBatch
 
         call, self._calls = call_number(self._calls, None)
-        return ContinuousBatch(self, params, call)
+        return ContinuousBatch(self, params, call, decoder)
 
     def _uniforms(self, seeds: list[int], steps: int) -> torch.Tensor:
         """[rows, steps] uniforms, row r from its own stream: one draw per token position."""
@@ -102,12 +115,9 @@ class HFEngine:
 
     def _generate_batch(self, rows: list[tuple[int, list[int]]], seeds: list[int],
                         params: SamplingParams) -> list[Completion]:
-        n, width = len(rows), max(len(p) for _, p in rows)
-        input_ids = torch.full((n, width), self.pad_id, dtype=torch.long, device=self.device)
-        attention = torch.zeros((n, width), dtype=torch.long, device=self.device)
-        for r, (_, p) in enumerate(rows):  # left padding: every prompt ends at the same column
-            input_ids[r, width - len(p):] = torch.tensor(p, device=self.device)
-            attention[r, width - len(p):] = 1
+        n = len(rows)
+        input_ids, attention = left_padded([p for _, p in rows], self.pad_id, self.device)
+        width = input_ids.shape[1]
 
         tokens = torch.full((n, params.max_new_tokens), self.pad_id, dtype=torch.long, device=self.device)
         logprobs = torch.zeros((n, params.max_new_tokens), device=self.device)
