@@ -40,3 +40,8 @@ class RewardError(RlftError):
 class EnvironmentFailed(RlftError):
     """An agent environment failed at run time: its constructor, reset or step raised or returned
     something the protocol does not allow. The message names the environment, the row and the fix."""
+
+
+class RankStopped(RlftError):
+    """Another rank of a distributed run stopped this step on an error (named in the message);
+    this rank stops at the same step, so their collectives stay paired."""

@@ -16,6 +16,7 @@ import torch
 from rlft.algorithms import zero_variance_groups
 from rlft.data.order import PromptSampler
 from rlft.data.prompts import PromptExample
+from rlft.errors import EnvironmentFailed, RankStopped, RewardError
 from rlft.monitor.stats import world_sums
 from rlft.rewards.scoring import RewardScorer, Scores, score_completions
 from rlft.rollout.contract import Completion, Engine, SamplingParams
@@ -62,19 +63,28 @@ def collect_rollout(engine: Engine, sampler: PromptSampler, prompts: list[Prompt
         drawn = [prompts[i] for i in sampler.take(need)]
         first, stop = world.share(len(drawn))
         chosen = drawn[first:stop]
-        start = time.perf_counter()
-        if not chosen:  # called all the same: every rank's engine counts the same calls (see Engine.generate)
-            completions = engine.generate([], params, first_prompt=next_group + first)
-        elif driver is not None:
-            rows = [EpisodeRow(e.where, e.fields, first_draw + first + j) for j, e in enumerate(chosen)]
-            completions = driver.run([e.messages for e in chosen], params, first_prompt=next_group + first, rows=rows)
-        else:
-            completions = engine.generate([e.prompt_ids for e in chosen], params, first_prompt=next_group + first)
-        t_gen += time.perf_counter() - start
-        examples = [chosen[c.prompt_index] for c in completions]
-        start = time.perf_counter()
-        scores = score_completions(scorer, examples, completions, params.max_new_tokens)
-        t_score += time.perf_counter() - start
+        failed: BaseException | None = None
+        try:
+            start = time.perf_counter()
+            if not chosen:  # called all the same: every rank's engine counts the same calls (see Engine.generate)
+                completions = engine.generate([], params, first_prompt=next_group + first)
+            elif driver is not None:
+                rows = [EpisodeRow(e.where, e.fields, first_draw + first + j) for j, e in enumerate(chosen)]
+                completions = driver.run([e.messages for e in chosen], params, first_prompt=next_group + first,
+                                         rows=rows)
+            else:
+                completions = engine.generate([e.prompt_ids for e in chosen], params, first_prompt=next_group + first)
+            t_gen += time.perf_counter() - start
+            examples = [chosen[c.prompt_index] for c in completions]
+            start = time.perf_counter()
+            scores = score_completions(scorer, examples, completions, params.max_new_tokens)
+            t_score += time.perf_counter() - start
+        except (RewardError, EnvironmentFailed) as exc:
+            failed = exc
+        if dynamic_sampling:  # its rounds run collectives: the ranks vote before the next one
+            failed = first_failure(world, failed, "its batch")
+        if failed is not None:
+            raise failed
         sampled += [t for t in scores.total if t is not None]
         groups = [next_group + first + c.prompt_index for c in completions]
         next_group += len(drawn)
@@ -98,6 +108,21 @@ def collect_rollout(engine: Engine, sampler: PromptSampler, prompts: list[Prompt
                         "dynamic_sampling/reward_mean_before_filter": sampled_sum / sampled_n if sampled_n
                         else float("nan")})
     return Rollout([k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept], scores, metrics)
+
+
+def first_failure(world: World, own: BaseException | None, what: str) -> BaseException | None:
+    """This rank's failure, or another rank's as RankStopped (a collective every rank calls: they
+    all stop at the same batch, so their later collectives, the checkpoint's among them, stay
+    paired; a rank that raised alone would wait for the others in the next one)."""
+    if not world.active:
+        return own
+    reasons = world.gather(None if own is None else f"{type(own).__name__}: {own}")
+    if own is not None:
+        return own
+    for rank, reason in enumerate(reasons):
+        if reason is not None:
+            return RankStopped(f"rank {rank} stopped on {what} ({reason})")
+    return None
 
 
 def reduce_rollout(rollout: Rollout, world: World, episodes: bool) -> None:

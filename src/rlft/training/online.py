@@ -25,7 +25,7 @@ from rlft.data.order import PromptSampler
 from rlft.data.prompts import PromptExample, make_prompt_encoder
 from rlft.data.readers import read_rows
 from rlft.data.validate import check_rows
-from rlft.errors import ConfigError, EnvironmentFailed, RewardError, TrainingHalted
+from rlft.errors import ConfigError, EnvironmentFailed, RankStopped, RewardError, TrainingHalted
 from rlft.eval.generation import evaluate_prompts
 from rlft.eval.suites import prepare_suites
 from rlft.models.loading import Reference, disable_dropout, load_policy, resolve_device
@@ -211,7 +211,7 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
             except ScoringInterrupted:  # Ctrl-C while rewards ran: finish() saves the last completed step
                 rollouts.restore()
                 break
-            except (RewardError, EnvironmentFailed, SamplerFailed) as exc:
+            except (RewardError, EnvironmentFailed, SamplerFailed, RankStopped) as exc:
                 _halt(session, rollouts, str(exc))
             rollout.metrics.update(world_sums(world, _scoring_report(session, rollout.scoring_report)))
             _check_infra(session, rollout, config.scoring.max_infra_error_rate, rollouts)

@@ -49,7 +49,7 @@ from rlft.rewards.scores import Scores
 from rlft.rewards.scoring import RewardScorer
 from rlft.rollout.contract import Completion, Engine, SamplingParams
 from rlft.training import checkpoint as ckpt
-from rlft.training.collect import Rollout, collect_rollout, reduce_rollout
+from rlft.training.collect import Rollout, collect_rollout, first_failure, reduce_rollout
 from rlft.training.distributed import SINGLE, World
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,14 @@ class SyncRollouts:
     def take(self) -> Rollout:
         start = time.perf_counter()
         self._start = StepStart(self.parts())
-        rollout = self.maker.make(self.consumed)
+        failed: BaseException | None = None
+        try:
+            rollout = self.maker.make(self.consumed)
+        except (RewardError, EnvironmentFailed) as exc:
+            failed = exc
+        failed = first_failure(self.maker.world, failed, "its batch")
+        if failed is not None:  # every rank stops at this step (the loop then saves, together)
+            raise failed
         self.maker.reduce(rollout)
         rollout.metrics.update(staleness_metrics(self.consumed, rollout.completions))
         rollout.metrics["time/rollout_wait"] = time.perf_counter() - start
@@ -259,7 +266,7 @@ class AsyncRollouts:
                 failed = self._failure_error()
             if failed is None:
                 self._taken = self._ready.pop(b)
-        failed = self._first_failure(failed)
+        failed = first_failure(self.maker.world, failed, "its sampler's error")
         if failed is not None:  # every rank stops at this batch (the loop then saves, together)
             raise failed
         rollout = self._taken
@@ -294,20 +301,6 @@ class AsyncRollouts:
             if self._thread is not None and not self._thread.is_alive() and not ready():
                 raise SamplerFailed("the sampler thread ended without a result (see the log)")
             self._cv.wait(timeout=0.5)
-
-    def _first_failure(self, own: BaseException | None) -> BaseException | None:
-        """This rank's failure, or another rank's (a collective: every rank stops at the same batch,
-        so their collectives stay paired)."""
-        world = self.maker.world
-        if not world.active:
-            return own
-        reasons = world.gather(None if own is None else f"{type(own).__name__}: {own}")
-        if own is not None:
-            return own
-        for rank, reason in enumerate(reasons):
-            if reason is not None:
-                return SamplerFailed(f"rank {rank} stopped on its sampler's error ({reason})")
-        return None
 
     def _failure_error(self) -> BaseException:
         batch, exc = self._failure
