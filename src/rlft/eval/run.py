@@ -17,7 +17,7 @@ from rlft.eval.generation import EvalResult, evaluate_prompts
 from rlft.models.loading import LoadedModel, is_adapter_export, load_adapter_export, load_policy
 from rlft.eval.suites import prepare_suites, run_suites
 from rlft.rewards.scoring import RewardScorer, build_scorer
-from rlft.rollout import build_engine, check_prompts_with_tools, turn_driver
+from rlft.rollout import agent_driver, build_engine
 
 
 def resolve_model(target: str | Path) -> tuple[Path, Path | None]:
@@ -50,18 +50,6 @@ def evaluate_model(target: str | Path, data: str, rewards: list[RewardSpec], cfg
         return evaluate_prompts(engine, examples, cfg, scorer, prefix=prefix, seed=seed, driver=driver)
     finally:
         engine.close()
-
-
-def agent_driver(agent: AgentConfig | None, engine: Any, tokenizer: Any, example_sets: list[list[PromptExample]],
-                 max_prompt_length: int, seed: int) -> Any:
-    """The turn driver `agent` configures (None without one; an environment's episodes seeded from
-    `seed`), its prompts checked with the tools."""
-    if agent is None:
-        return None
-    driver = turn_driver(agent, engine, tokenizer, seed, max_prompt_length)
-    for examples in example_sets:
-        check_prompts_with_tools(driver, examples, max_prompt_length, agent.max_total_tokens)
-    return driver
 
 
 def evaluate_suites(target: str | Path, settings: Config, *, device: str = "auto", engine: str = "hf",

@@ -99,10 +99,22 @@ def check_prompts_with_tools(driver: Any, prompts: Sequence[Any], limit: int, bu
                           "rollout.vllm.max_model_len or lower agent.max_total_tokens")
 
 
+def agent_driver(cfg: AgentConfig | None, engine: Any, tokenizer: Any, example_sets: Sequence[Sequence[Any]],
+                 max_prompt_length: int, seed: int) -> Any:
+    """The turn driver the agent section `cfg` configures (None without one; an environment's
+    episodes seeded from `seed`), each set of prompts checked with the tools' descriptions."""
+    if cfg is None:
+        return None
+    driver = turn_driver(cfg, engine, tokenizer, seed, max_prompt_length)
+    for examples in example_sets:
+        check_prompts_with_tools(driver, examples, max_prompt_length, cfg.max_total_tokens)
+    return driver
+
+
 def sampling_params(cfg: RolloutConfig) -> SamplingParams:
     return SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                           max_new_tokens=cfg.max_new_tokens, stop=tuple(cfg.stop))
 
 
-__all__ = ["Completion", "Engine", "SamplingParams", "build_engine", "check_prompts_with_tools", "rollout_dtype",
+__all__ = ["Completion", "Engine", "SamplingParams", "agent_driver", "build_engine", "check_prompts_with_tools", "rollout_dtype",
            "rollout_engine", "sampling_params", "tool_transcripts", "turn_driver"]

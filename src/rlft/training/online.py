@@ -33,8 +33,8 @@ from rlft.monitor.checks import infra_error_message
 from rlft.rewards.calls import ScoringInterrupted
 from rlft.monitor.stats import world_sums
 from rlft.rewards.scoring import RewardScorer, Scores, build_scorer
-from rlft.rollout import (Engine, build_engine, check_prompts_with_tools, rollout_dtype, rollout_engine,
-                          sampling_params, turn_driver)
+from rlft.rollout import (Engine, agent_driver, build_engine, rollout_dtype, rollout_engine, sampling_params,
+                          turn_driver)
 from rlft.rollout.batch import RolloutBatch
 from rlft.rollout.contract import trained_segments
 from rlft.rollout.hf import HFEngine
@@ -124,9 +124,8 @@ def build_online(config: Config, session: TrainingSession, sample_dtype: torch.d
     engine, sample_engine, sampler_model = _engines(config, policy.unsharded(), sample_dtype, world.active)
     driver = eval_driver = None
     if config.agent is not None:  # each rank runs its share's episodes (collect_rollout)
-        driver = turn_driver(config.agent, sample_engine, policy.tokenizer, config.seed, d.max_prompt_length)
-        for examples in (prompts, evals, *(p.examples for p in suites)):
-            check_prompts_with_tools(driver, examples, d.max_prompt_length, config.agent.max_total_tokens)
+        driver = agent_driver(config.agent, sample_engine, policy.tokenizer,
+                              [prompts, evals, *(p.examples for p in suites)], d.max_prompt_length, config.seed)
         # evaluations run their episodes on the loop's thread, so with its engine
         eval_driver = driver if engine is sample_engine else \
             turn_driver(config.agent, engine, policy.tokenizer, config.seed, d.max_prompt_length)
