@@ -309,6 +309,7 @@ def _metric_rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # ~20 s; make test keeps test_environments' stopped-and-resumed episode run
 def test_an_agent_run_killed_after_a_checkpoint_resumes_bitwise(calc, tmp_path):
     """Episodes sampled at temperature 1 (calls, tool results, the engine's call counter): a run
     SIGKILLed right after its step-1 checkpoint and resumed ends where the uninterrupted run ends,

@@ -132,6 +132,7 @@ def test_a_slow_tool_holds_up_only_its_own_episode(calc):
             assert fast_done < 3.0 <= slow_done
 
 
+@pytest.mark.slow  # ~8 s (a spawned child); make test keeps test_sampler_process's engine-level test
 def test_the_process_sampler_drives_the_same_continuous_batch(calc, tmp_path):
     """rollout.sampler=process: the child's continuous batch, driven over the pipe, gives the
     in-process batch's episodes and stream state."""

@@ -352,6 +352,7 @@ def test_a_dead_rank_ends_the_job_instead_of_hanging_it(root):
     assert "exitcode  : -9" in err or "Signal 9" in err or "SIGKILL" in err, err[-2000:]
 
 
+@pytest.mark.slow  # ~15-30 s: a two-rank launch; make test keeps the dead-rank test
 def test_a_reward_error_on_one_rank_stops_every_rank_at_once(root):
     """The failing rank names its error; the other stops at the same step naming that rank,
     instead of waiting in the update's collectives until dist_timeout_s."""

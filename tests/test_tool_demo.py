@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from rlft.demo import tool_use as tu
 from rlft.rollout.tool_calls import llama3_json
 
@@ -34,6 +36,7 @@ def test_data_keeps_held_out_problems_out_of_sft_and_rl_and_calls_parse_back(tmp
     assert {t["trace"] for t in traces} == {"call", "guess_wrong"}  # TINY: every guess is a slip
 
 
+@pytest.mark.slow  # ~45 s; make test keeps the data check above and test_agents_scale's end-to-end run
 def test_tiny_model_sft_then_grpo_with_the_calculator_lifts_held_out_accuracy(tmp_path):
     """TINY_SETTINGS end to end but the base evaluation: SFT on transcripts in which 45% of the
     problems are worked with the calculator and the rest guessed wrong, then 6 GRPO steps with the
