@@ -214,7 +214,10 @@ def test_ppo_trains_on_agent_episodes_with_tool_tokens(setup, kind, lr, monkeypa
         seen.append((mask.clone(), self.returns.clone()))
         return out
 
-    monkeypatch.setattr(online, "turn_driver", scripted_driver)
+    import rlft.rollout as rollout_pkg
+
+    monkeypatch.setattr(rollout_pkg, "turn_driver", scripted_driver)  # the one rollout.agent_driver builds
+    monkeypatch.setattr(online, "turn_driver", scripted_driver)  # evaluations' own, where one is built
     monkeypatch.setattr(critics._ValueTargets, "gae_advantages", watched_gae)
     # no KL in the reward: the scripted log-probs are made up, so the returns are the reward alone
     cfg = ppo_config(setup, f"agent-{kind}", kind, algorithm={"kl_coef": 0.0},
