@@ -31,11 +31,10 @@ from typing import Any, Hashable
 import torch
 
 from rlft.models.forward import position_ids_for
-from rlft.models.precision import autocast_to
 from rlft.rollout.contract import Completion, SamplingParams
 from rlft.rollout.fast_decode import LeanDecoder
 from rlft.rollout.hf import left_padded
-from rlft.rollout.seeds import named_stream_seed, stream_seed
+from rlft.rollout.seeds import request_seeds
 
 
 @dataclass
@@ -73,22 +72,13 @@ class ContinuousBatch:
     def step(self, max_steps: int) -> tuple[list[tuple[Hashable, Completion]], bool]:
         """Decode until at least one turn has ended or `max_steps` tokens; (the ended turns, whether
         any turn is still in the batch or queued)."""
-        engine = self.engine
-        model = engine.model
-        was_training = model.training
-        model.eval()
         finished: list[tuple[Hashable, Completion]] = []
-        try:
-            with torch.no_grad(), autocast_to(engine.device, engine.compute_dtype):
-                self._admit()
-                for _ in range(max_steps):
-                    if not self.rows:
-                        break
-                    finished += self._decode_one()
-                    if finished:
-                        break
-        finally:
-            model.train(was_training)
+        with self.engine.sampling():
+            self._admit()
+            for _ in range(max_steps):
+                if not self.rows or finished:
+                    break
+                finished += self._decode_one()
         return finished, bool(self.rows or self.queue)
 
     # -- joining -------------------------------------------------------------------------------
@@ -129,20 +119,21 @@ class ContinuousBatch:
             self.uniforms = self._joined_uniforms(joining)
 
     def _seed(self, r: TurnRequest) -> int:
+        """The seed `generate` gives the same turn: completion `index` of a request, or stream `name`."""
         e = self.engine
         if r.name is not None:
-            return named_stream_seed(e._seed, e._stream, self.call, r.name, 0)
-        return stream_seed(e._seed, e._stream, self.call, r.index)
+            return request_seeds(e._seed, e._stream, self.call, 1, 1, streams=[r.name])[0]
+        return request_seeds(e._seed, e._stream, self.call, 1, 1, first_prompt=r.index)[0]
 
     def _joined_uniforms(self, joining: list[TurnRequest]) -> torch.Tensor:
         """[B, T] uniforms, padded to the longest row's: the rows in flight keep theirs."""
-        new = [torch.rand(r.max_new_tokens, generator=torch.Generator().manual_seed(self._seed(r))) for r in joining]
+        new = [self.engine._uniforms([self._seed(r)], r.max_new_tokens)[0] for r in joining]
         old = [] if self.uniforms is None else list(self.uniforms[: len(self.rows) - len(joining)])
         width = max(len(u) for u in old + new)
-        out = torch.zeros((len(old) + len(new), width))
+        out = new[0].new_zeros((len(old) + len(new), width))
         for i, u in enumerate(old + new):
-            out[i, : len(u)] = u[: width]
-        return out.to(self.engine.device)
+            out[i, : len(u)] = u
+        return out
 
     # -- decoding ------------------------------------------------------------------------------
     def _decode_one(self) -> list[tuple[Hashable, Completion]]:
@@ -157,8 +148,7 @@ class ContinuousBatch:
             self.tokens[r].append(tok)
             self.logprobs[r].append(lp)
         if params.stop:
-            tails = engine.tokenizer.batch_decode([tok[-16:] for tok in self.tokens], skip_special_tokens=True)
-            hit = torch.tensor([any(s in text for s in params.stop) for text in tails], device=engine.device)
+            hit = engine._hit_stop_string([tok[-16:] for tok in self.tokens], params.stop)
             done |= hit
             stopped |= hit
         lengths = torch.tensor([len(tok) for tok in self.tokens], device=engine.device)
@@ -186,10 +176,6 @@ class ContinuousBatch:
             self.uniforms = self.uniforms[keep]
 
     def _completion(self, r: int, stopped: bool) -> Completion:
-        request, ids = self.rows[r], self.tokens[r]
-        text = self.engine.tokenizer.decode(ids, skip_special_tokens=True)
-        for s in self.params.stop:
-            if s in text:
-                text = text[: text.index(s)]
-        return Completion(prompt_ids=request.ids, completion_ids=list(ids), text=text, logprobs=list(self.logprobs[r]),
-                          finish_reason="stop" if stopped else "length", prompt_index=request.prompt_index)
+        request = self.rows[r]
+        return self.engine._completion(request.prompt_index, request.ids, list(self.tokens[r]), list(self.logprobs[r]),
+                                       stopped, self.params.stop)

@@ -85,15 +85,21 @@ class HFEngine:
         seeds = request_seeds(self._seed, self._stream, call, len(prompts), params.n, first_prompt, streams)
         step = self.batch_size or len(rows)
         out: list[Completion] = []
+        with self.sampling():
+            for start in range(0, len(rows), step):
+                out += self._generate_batch(rows[start:start + step], seeds[start:start + step], params)
+        return out
+
+    @contextmanager
+    def sampling(self) -> Iterator[None]:
+        """The model in eval mode, without gradients, autocast to the rollout dtype; as it was after."""
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad(), autocast_to(self.device, self.compute_dtype):
-                for start in range(0, len(rows), step):
-                    out += self._generate_batch(rows[start:start + step], seeds[start:start + step], params)
+                yield
         finally:
             self.model.train(was_training)
-        return out
 
     def continuous(self, params: SamplingParams) -> Any:
         """A continuous batch (rollout/continuous.py) for one request's turns, claiming its call as
@@ -138,7 +144,7 @@ class HFEngine:
             lengths[active] += 1
             done = (token[:, None] == self.stop_ids).any(-1)
             if texts_needed:
-                done |= self._hit_stop_string(tokens[active, : t + 1], params.stop)
+                done |= self._hit_stop_string(tokens[active, max(0, t - 15): t + 1], params.stop)
             stopped[active] |= done
             if t + 1 == params.max_new_tokens:
                 break
@@ -217,25 +223,26 @@ class HFEngine:
         cdf = probs.cumsum(-1)  # [B, V]
         return (cdf <= u[:, None] * cdf[:, -1:]).sum(-1).clamp(max=probs.shape[-1] - 1)
 
-    def _hit_stop_string(self, generated: torch.Tensor, stops: tuple[str, ...]) -> torch.Tensor:
-        tail = self.tokenizer.batch_decode(generated[:, -16:], skip_special_tokens=True)
-        return torch.tensor([any(s in text for s in stops) for text in tail], device=self.device)
+    def _hit_stop_string(self, tails: Any, stops: tuple[str, ...]) -> torch.Tensor:
+        """Per row, whether its last tokens (`tails`: each row's last 16 or fewer ids) hold a stop string."""
+        texts = self.tokenizer.batch_decode(tails, skip_special_tokens=True)
+        return torch.tensor([any(s in text for s in stops) for text in texts], device=self.device)
 
     def _completions(self, rows, tokens, logprobs, lengths, stopped, params) -> list[Completion]:
-        out = []
         tokens, logprobs, lengths, stopped = tokens.cpu(), logprobs.cpu(), lengths.cpu(), stopped.cpu()
-        for r, (prompt_index, prompt) in enumerate(rows):
-            k = int(lengths[r])
-            ids = tokens[r, :k].tolist()
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            for s in params.stop:
-                if s in text:
-                    text = text[: text.index(s)]
-            out.append(Completion(prompt_ids=prompt, completion_ids=ids, text=text,
-                                  logprobs=logprobs[r, :k].tolist(),
-                                  finish_reason="stop" if bool(stopped[r]) else "length",
-                                  prompt_index=prompt_index))
-        return out
+        return [self._completion(prompt_index, prompt, tokens[r, :int(lengths[r])].tolist(),
+                                 logprobs[r, :int(lengths[r])].tolist(), bool(stopped[r]), params.stop)
+                for r, (prompt_index, prompt) in enumerate(rows)]
+
+    def _completion(self, prompt_index: int, prompt: list[int], ids: list[int], logprobs: list[float], stopped: bool,
+                    stop: tuple[str, ...]) -> Completion:
+        """One sampled turn; its text ends before the first stop string (its ids keep every token)."""
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        for s in stop:
+            if s in text:
+                text = text[: text.index(s)]
+        return Completion(prompt_ids=prompt, completion_ids=ids, text=text, logprobs=logprobs,
+                          finish_reason="stop" if stopped else "length", prompt_index=prompt_index)
 
     @contextmanager
     def isolated_rng(self, seed: int) -> Iterator[None]:

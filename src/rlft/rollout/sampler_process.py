@@ -165,7 +165,7 @@ class ProcessEngine:
             how = f"was killed by {name} (exit code {code})"
         else:
             how = f"exited with code {code}"
-        during = {"sync": "a weight push"}.get(op, "generation" if op.startswith(("generate", "continuous")) else op)
+        during = "a weight push" if op == "sync" else "generation" if op.startswith(("generate", "continuous")) else op
         return f"the sampler process (pid {self.pid}) {how} during {during}"
 
 
