@@ -135,8 +135,10 @@ def test_reward_model_learns_and_its_export_scores_as_a_reward(tmp_path, qwen_pa
     train = write_jsonl(tmp_path / "train.jsonl", carry_pairs(train_problems[:200], 1))
     heldout_rows = carry_pairs(heldout_problems, 2)[:64]
     heldout = write_jsonl(tmp_path / "heldout.jsonl", heldout_rows)
+    # fp32: the export is scored in fp32 by the reward scorer and compared with the eval the run did
     config = load_config(rm_config(qwen_path, train, tmp_path / "rm", data={"eval": str(heldout)},
-                                   training={"batch_size": 8, "max_steps": 10, "learning_rate": 1e-3}))
+                                   training={"batch_size": 8, "max_steps": 10, "learning_rate": 1e-3,
+                                             "precision": "fp32"}))
     policy = load_reward_model(config.model, config.lora)
     start = make_objective(config)
     _, evals, _ = start.prepare(policy)
