@@ -4,7 +4,8 @@ picks on a bf16 GPU), with step times and peak memory.
     python benchmarks/gpu_check.py OUT_DIR [--size small]
 
 Runs SFT, GRPO (full, LoRA, vLLM engine), DAPO (LoRA + checkpointing), RLOO, REINFORCE++, PPO
-(separate critic and shared value head), DPO and reward-model training for a few steps each on the
+(separate critic and shared value head), asynchronous GRPO (k = 1: hf full and LoRA, vLLM, and the
+sampler on a second GPU where there is one), DPO and reward-model training for a few steps each on the
 ~27M-parameter test model, times rlft's rollout engine against `model.generate` on the same batch,
 then runs the test suite's CUDA-only tests (`pytest -m cuda`: QLoRA with bitsandbytes, fp16-mixed's
 loss scaler, bf16-mixed, NCCL on 2+ GPUs, vLLM sleep mode, the planner against
@@ -131,6 +132,19 @@ def main() -> None:
     stage(results, "dapo_lora_ckpt", lambda: online("dapo", "dapo", lora={"enabled": True},
                                                    model={"gradient_checkpointing": True}))
     stage(results, "grpo_vllm", lambda: online("grpo_vllm", "grpo", rollout={"engine": "vllm"}))
+    # issue 26: a sampler thread one step ahead (hf, vLLM), and on a GPU of its own where there are two
+    correct = {"rollout_correction": "tis"}
+    stage(results, "grpo_async_k1", lambda: online("grpo_async", "grpo", rollout={"async_steps": 1}, algorithm=correct))
+    stage(results, "grpo_async_k1_lora", lambda: online("grpo_async_lora", "grpo", rollout={"async_steps": 1},
+                                                        algorithm=correct, lora={"enabled": True}))
+    stage(results, "grpo_vllm_async_k1", lambda: online("grpo_vllm_async", "grpo", algorithm=correct,
+                                                        rollout={"engine": "vllm", "async_steps": 1}))
+    if torch.cuda.device_count() > 1:
+        stage(results, "grpo_async_sampler_gpu1", lambda: online(
+            "grpo_async_gpu1", "grpo", algorithm=correct,
+            rollout={"async_steps": 1, "sampler_device": "cuda:1"}, model={"device": "cuda:0"}))
+    else:
+        results["grpo_async_sampler_gpu1"] = {"ok": True, "skipped": "one GPU: rollout.sampler_device needs a second"}
     stage(results, "rloo", lambda: online("rloo", "rloo"))
     stage(results, "reinforce_pp", lambda: online("reinforce_pp", "reinforce_pp"))
     stage(results, "ppo_separate", lambda: online("ppo", "ppo", critic={"warmup_steps": 1}))

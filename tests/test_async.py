@@ -17,7 +17,7 @@ import torch
 from conftest import DIGITS_REWARD
 from rlft.api import train
 from rlft.config import load_config
-from rlft.errors import ConfigError, TrainingHalted
+from rlft.errors import ConfigError, RlftError, TrainingHalted
 from rlft.models.tiny import build_tiny_model
 from rlft.monitor.catalogue import metric_names
 from test_resume import assert_same_run, final_weights, kill_at_random, metrics, run_cli, write_config
@@ -241,6 +241,9 @@ def test_a_failing_sampler_stops_with_a_checkpoint_and_resumes_identically(root,
     ({"algorithm": {"rollout_correction": "none"}}, "set algorithm.rollout_correction to tis"),
     ({"method": "dapo", "algorithm": {"rollout_correction": "bypass"}}, "dynamic_sampling"),
     ({"rollout": {"engine": "vllm", "sampler": "process"}}, "vLLM engine has its own worker processes"),
+    ({"rollout": {"async_steps": 0, "sampler_device": "cuda:1"}}, "synchronous run .* samples from the trainer's"),
+    ({"rollout": {"engine": "vllm", "sampler_device": "cuda:1"}}, "the vLLM engine places itself"),
+    ({"rollout": {"sampler_device": "gpu1"}}, "unknown device 'gpu1'. Did you mean 'cuda:1'"),
 ])
 def test_settings_async_cannot_run_with_are_refused_with_the_reason(root, change, message):
     cfg = grpo(root, "refused", 1)
@@ -248,6 +251,43 @@ def test_settings_async_cannot_run_with_are_refused_with_the_reason(root, change
         cfg[key] = {**cfg[key], **value} if isinstance(value, dict) else value
     with pytest.raises(ConfigError, match=message):
         load_config(cfg)
+
+
+def test_a_sampler_device_is_one_process_only(root):
+    from rlft.launch import check_launch
+
+    with pytest.raises(ConfigError, match="sampler_device=cuda:1 names one device, and under torchrun"):
+        check_launch(load_config(grpo(root, "ranks", 1, rollout={"sampler_device": "cuda:1"})), 2)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 1, reason="tests the refusal of a GPU that is not there")
+def test_a_sampler_device_that_is_not_there_is_refused_before_the_model_loads(root, monkeypatch):
+    import rlft.training.online as online
+
+    loaded = []
+    monkeypatch.setattr(online, "load_policy", lambda *a, **k: loaded.append(a))
+    with pytest.raises(RlftError, match=r"rollout.sampler_device is 'cuda:1' but (no CUDA GPU|only 1 CUDA GPU)"):
+        train(grpo(root, "no-gpu", 1, rollout={"sampler_device": "cuda:1"}))
+    assert not loaded and not (root / "no-gpu" / "checkpoints").exists()
+
+
+def test_a_named_sampler_device_gets_the_copy_and_samples_what_auto_does(root, monkeypatch):
+    """rollout.sampler_device places the sampler's copy (and so its engine's rows) on that device;
+    named as the trainer's own (the only one on a CPU machine) the run is the auto run, bitwise.
+    On CUDA, benchmarks/gpu_check.py runs it on a second GPU."""
+    import rlft.training.online as online
+
+    placed = []
+    real = online.sampler_copy
+    monkeypatch.setattr(online, "sampler_copy", lambda policy, device=None, **kw: placed.append(device) or
+                        real(policy, device, **kw))
+    assert train(grpo(root, "device-auto", 1, steps=3))["status"] == "completed"
+    assert train(grpo(root, "device-cpu", 1, steps=3, rollout={"sampler_device": "cpu"}))["status"] == "completed"
+    assert placed == [None, torch.device("cpu")]
+    assert [r["reward/mean"] for r in metrics(root / "device-auto")] == \
+        [r["reward/mean"] for r in metrics(root / "device-cpu")]
+    a, b = final_weights(root / "device-auto"), final_weights(root / "device-cpu")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_async_with_vllm_under_torchrun_is_refused_before_ranks_start(root):

@@ -95,6 +95,29 @@ def test_async_rollouts_hold_the_sampler_while_training(qwen7b):
                                                                             "world_size": 2})).components}
     assert ranks["gathered weights for sampling"] == ("rollout",)
     assert ranks_k2["gathered weights for sampling"] == ("static",)
+    # rollout.sampler_device on another GPU: the trainer's device holds none of the sampler's parts
+    # (the plan names them, with sizes, for the other device); the published versions stay in host memory
+    apart = plan_memory(qwen7b, PlanInput(**{**s.__dict__, "async_steps": 2, "sampler_elsewhere": True}))
+    assert apart.phases == {phase: size for phase, size in sync.phases.items() if phase != "rollout"}
+    assert apart.total == sync.phases["update"] < k2.total and "sampler's copy of the policy" not in by_name(apart)
+    held = next(a for a in apart.assumptions if a.startswith("rollout.sampler_device holds"))
+    assert "sampler's copy of the policy (14.19 GiB)" in held and "rollout KV cache" in held
+    assert "host memory" in " ".join(apart.assumptions)
+
+
+def test_the_plan_reads_the_sampler_device_from_the_config(tmp_path):
+    from rlft.cli_plan import plan_input_from_config
+    from rlft.config import load_config
+
+    def elsewhere(model_device, sampler_device):
+        return plan_input_from_config(load_config({
+            "method": "grpo", "output_dir": str(tmp_path / "run"), "model": {"path": str(QWEN7B), "device": model_device},
+            "data": {"train": "prompts.jsonl"}, "rewards": [{"fn": "math"}],
+            "rollout": {"async_steps": 1, "sampler_device": sampler_device},
+            "algorithm": {"rollout_correction": "tis"}})).sampler_elsewhere
+
+    assert elsewhere("cuda:0", "cuda:1") and elsewhere("cpu", "cuda:0")
+    assert not elsewhere("cuda:1", "cuda:1") and not elsewhere("cuda:0", "auto") and not elsewhere("cpu", "cpu")
 
 
 def test_layer_activations_hand_computed():

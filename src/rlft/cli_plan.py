@@ -25,6 +25,24 @@ def plan_precision(config: Config, local_device: Any = None) -> str:
     return "bf16-mixed" if config.training.precision == "auto" else config.training.precision
 
 
+def _sampler_elsewhere(config: Config) -> bool:
+    """rollout.sampler_device names another device than model.device (what the sampler holds is
+    then planned apart from the trainer's device)."""
+    import torch
+
+    from rlft.models.loading import same_device
+
+    named, trainer = config.rollout.sampler_device, config.model.device
+    if named == "auto" or named == trainer:
+        return False
+    if trainer == "auto":  # the plan's device: CUDA when one is visible
+        trainer = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        return not same_device(torch.device(named), torch.device(trainer))
+    except (RuntimeError, AssertionError):  # no CUDA here to number the current GPU: a plan made elsewhere
+        return named != trainer
+
+
 def plan_input_from_config(config: Config, world_size: int = 1, local_device: Any = None, lengths: Any = None) -> Any:
     """The planner's flat settings for an rlft config: lengths from `lengths` (a
     plan_lengths.DataLengths: the longest templated row of the data, plus max_new_tokens online) or
@@ -59,7 +77,8 @@ def plan_input_from_config(config: Config, world_size: int = 1, local_device: An
                          completion_len=r.max_new_tokens, group_size=r.group_size, prompts_per_step=r.prompts_per_step,
                          rollout_batch_size=r.batch_size, reference=a.kl_coef > 0 or a.kl_target is not None,
                          critic=config.critic.kind, engine=r.engine, fast_decode=r.fast_decode,
-                         shared_prefix=t.shared_prefix, async_steps=r.async_steps)
+                         shared_prefix=t.shared_prefix, async_steps=r.async_steps,
+                         sampler_elsewhere=_sampler_elsewhere(config))
     micro = t.micro_batch_size or t.batch_size
     if lengths is not None:
         seq_len, targets = lengths.sequence, max(1, min(lengths.targets, lengths.sequence))

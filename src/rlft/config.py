@@ -251,6 +251,17 @@ class RolloutConfig(Section):
                             "both give the same completions. auto: process on CPU in one process (faster there: "
                             "benchmarks/async_rollouts.py), thread on GPUs and under torchrun (process not tested "
                             "there yet). The vLLM engine runs its own workers (rollout.vllm).")
+    sampler_device: str = Field(
+        "auto", description="With async_steps > 0 and the hf engine, the device the sampler's copy of the policy "
+                            "samples on: e.g. 'cuda:1' keeps generation (weights, KV cache) off the trainer's GPU "
+                            "on a machine with several; each published version is copied to it. auto: the "
+                            "trainer's device (model.device). One process only (under torchrun each rank samples "
+                            "on its own GPU).")
+
+    @field_validator("sampler_device", mode="before")
+    @classmethod
+    def _known_sampler_device(cls, value: Any) -> Any:
+        return check_device(str(value), "rollout.sampler_device") if isinstance(value, (str, int)) else value
 
     @model_validator(mode="after")
     def _vllm_sampling(self) -> "RolloutConfig":
@@ -865,7 +876,15 @@ class Config(Section):
 
 def _check_async(config: Config) -> None:
     """What rollout.async_steps > 0 cannot be combined with, each with its reason."""
-    k, a = config.rollout.async_steps, config.algorithm
+    k, a, r = config.rollout.async_steps, config.algorithm, config.rollout
+    if r.sampler_device != "auto" and not k:
+        raise ValueError(f"rollout.sampler_device={r.sampler_device}: a synchronous run (rollout.async_steps=0) "
+                         "samples from the trainer's own module, on model.device; set rollout.async_steps=1 or "
+                         "drop rollout.sampler_device")
+    if r.sampler_device != "auto" and r.engine == "vllm":
+        raise ValueError(f"rollout.sampler_device={r.sampler_device} places the hf engine's copy of the policy; "
+                         "the vLLM engine places itself (its GPUs are those its process sees): drop "
+                         "rollout.sampler_device")
     if not k:
         return
     if a.rollout_correction not in ("tis", "bypass"):
@@ -896,8 +915,8 @@ def check_device(value: str, field: str) -> str:
     guess = _DEVICE_ALIASES.get(lowered)
     if guess is None and (lowered in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", lowered)):
         guess = lowered
-    if guess is None and re.fullmatch(r"(gpu:)?\d+", lowered):
-        guess = f"cuda:{lowered.rpartition(':')[2]}"
+    if guess is None and re.fullmatch(r"(gpu|cuda)?:?\d+", lowered):  # gpu1, gpu:1, cuda1, 1
+        guess = "cuda:" + re.sub(r"\D", "", lowered)
     if guess is None:
         found = difflib.get_close_matches(lowered, ["auto", "cpu", "cuda"], n=1, cutoff=0.5)
         guess = found[0] if found else None

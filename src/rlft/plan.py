@@ -159,6 +159,7 @@ class PlanInput:
     engine: Literal["hf", "vllm"] = "hf"
     fast_decode: bool = True  # hf engine: fused copies of the projection weights while sampling
     async_steps: int = 0  # rollout.async_steps: a sampler thread with its own copy, sampling while training
+    sampler_elsewhere: bool = False  # rollout.sampler_device: the async hf sampler on a device of its own
     device_type: Literal["cuda", "cpu"] = "cuda"  # kernels: fused dropout and foreach AdamW on cuda
     shared_prefix: Literal["auto", "on", "off"] = "off"  # online: training.shared_prefix
 
@@ -481,24 +482,48 @@ def _rollout(m: ModelShape, s: PlanInput, out: list[Component], notes: list[str]
     """Sampling with the hf engine (KV cache in the trainer's memory) or vLLM (its own budget).
     Asynchronous rollouts sample while the trainer updates: what sampling holds is held in every
     phase, and the sampler has its own copy of the policy (and the trainer's published versions)."""
+    if s.sampler_elsewhere and s.async_steps and s.engine == "hf":  # another device's memory
+        own: list[Component] = []
+        _async_sampler(m, s, out, notes, sampler_out=own)  # the published versions stay in host memory
+        _hf_sampling(m, s, own)
+        notes.append("rollout.sampler_device holds, on its own device (not counted here): " + ", ".join(
+            f"{c.name} ({c.bytes / 2**30:.2f} GiB)" for c in own))
+        return
     if s.async_steps:
         _async_sampler(m, s, out, notes)
+    if s.engine == "vllm":
+        _vllm_sampling(m, s, out, notes)
+    else:
+        _hf_sampling(m, s, out)
+
+
+def _vllm_sampling(m: ModelShape, s: PlanInput, out: list[Component], notes: list[str]) -> None:
+    kv_per_token = 2 * m.layers * m.kv_heads * m.head_dim * s.act_bytes
+    gen_rows = _generated_rows(s)
+    out.append(Component("rollout KV cache", kv_per_token * s.seq_len * gen_rows, ("static",),
+                         f"2 x {m.layers} layers x {m.kv_heads} kv heads x {m.head_dim} x {s.seq_len} tokens x "
+                         f"{gen_rows} seqs x {s.act_bytes} B, vLLM's own KV budget (set gpu_memory_utilization)"))
+    out.append(Component("vLLM weights copy", m.params() * 2, ("static",), "the engine's own bf16 weights"))
+    notes.append("vLLM reserves gpu_memory_utilization x device memory up front; set it to cover its rows "
+                 "above, not the default 0.9, when it shares the GPU with the trainer")
+
+
+def _generated_rows(s: PlanInput) -> int:
+    rows = math.ceil(s.group_size * s.prompts_per_step / s.world_size)
+    return min(s.rollout_batch_size or rows, rows)
+
+
+def _hf_sampling(m: ModelShape, s: PlanInput, out: list[Component]) -> None:
+    """The hf engine's KV cache and working set: in the rollout phase, or throughout beside an async
+    run's updates."""
     n, b = s.world_size, s.act_bytes
-    rows = math.ceil(s.group_size * s.prompts_per_step / n)
-    gen_rows = min(s.rollout_batch_size or rows, rows)
+    gen_rows = _generated_rows(s)
     prompt_len = s.seq_len - s.completion_len
     kv_per_token = 2 * m.layers * m.kv_heads * m.head_dim * b
-    kv = kv_per_token * s.seq_len * gen_rows
-    phase = ("rollout",) if s.engine == "hf" and not s.async_steps else ("static",)
-    where = "in the trainer's memory" if s.engine == "hf" else "vLLM's own KV budget (set gpu_memory_utilization)"
-    out.append(Component("rollout KV cache", kv, phase,
+    phase = ("static",) if s.async_steps else ("rollout",)
+    out.append(Component("rollout KV cache", kv_per_token * s.seq_len * gen_rows, phase,
                          f"2 x {m.layers} layers x {m.kv_heads} kv heads x {m.head_dim} x {s.seq_len} tokens x "
-                         f"{gen_rows} seqs x {b} B, {where}"))
-    if s.engine == "vllm":
-        out.append(Component("vLLM weights copy", m.params() * 2, ("static",), "the engine's own bf16 weights"))
-        notes.append("vLLM reserves gpu_memory_utilization x device memory up front; set it to cover its rows "
-                     "above, not the default 0.9, when it shares the GPU with the trainer")
-        return
+                         f"{gen_rows} seqs x {b} B, in the trainer's memory"))
     # The prefill's cache stays referenced while the lean decoder copies it into preallocated buffers;
     # dropping finished rows copies the key buffers (then the value buffers) once more.
     out.append(Component("hf engine cache copies", kv_per_token * gen_rows * (2 * prompt_len + s.seq_len) // 2,
@@ -521,16 +546,19 @@ def _rollout(m: ModelShape, s: PlanInput, out: list[Component], notes: list[str]
                              ("; the async sampler's copy is loaded from them" if s.async_steps else "")))
 
 
-def _async_sampler(m: ModelShape, s: PlanInput, out: list[Component], notes: list[str]) -> None:
-    """The sampler thread's copy of the policy (on the device for hf; host memory for vLLM, which
-    pushes from it) and the k + 1 CPU snapshots of the trained weights the queue's pacing can hold."""
+def _async_sampler(m: ModelShape, s: PlanInput, out: list[Component], notes: list[str],
+                   sampler_out: list[Component] | None = None) -> None:
+    """The sampler thread's copy of the policy (on the device for hf, counted in `sampler_out`,
+    default `out`; host memory for vLLM, which pushes from it) and the k + 1 CPU snapshots of the
+    trained weights the queue's pacing can hold."""
     p_bytes = DTYPE_BYTES[s.param_dtype]
     trained = m.lora_params(s.lora_r, s.lora_targets) * 4 if s.lora else m.params() * p_bytes
     host = [("the sampler's copy of the policy", m.params() * p_bytes)] if s.engine == "vllm" else []
     host.append((f"{s.async_steps + 1} published weight versions", (s.async_steps + 1) * trained))
     if s.engine == "hf":
-        out.append(Component("sampler's copy of the policy", m.params() * p_bytes, ("static",),
-                             "rollout.async_steps: the sampler thread samples from its own copy"))
+        (out if sampler_out is None else sampler_out).append(Component(
+            "sampler's copy of the policy", m.params() * p_bytes, ("static",),
+            "rollout.async_steps: the sampler thread samples from its own copy"))
     if s.device_type == "cpu":
         for name, size in host:
             out.append(Component(name, size, ("static",), "rollout.async_steps (CPU)"))

@@ -23,13 +23,25 @@ log = logging.getLogger(__name__)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, field: str = "model.device") -> torch.device:
+    """`name` ('auto', 'cpu', 'cuda', 'cuda:N') as a torch device; a GPU that is not there is
+    refused naming `field`, before anything is loaded onto it."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RlftError(f"model.device is {name!r} but no CUDA GPU is visible; use model.device=cpu")
+        raise RlftError(f"{field} is {name!r} but no CUDA GPU is visible; use {field}=cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise RlftError(f"{field} is {name!r} but only {torch.cuda.device_count()} CUDA GPU(s) are visible "
+                        f"(cuda:0 to cuda:{torch.cuda.device_count() - 1}; CUDA_VISIBLE_DEVICES renumbers them)")
     return device
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether two devices are one ('cuda' is the current GPU, cuda:0 unless set otherwise)."""
+    def index(d: torch.device) -> int | None:
+        return (d.index if d.index is not None else torch.cuda.current_device()) if d.type == "cuda" else None
+    return a.type == b.type and index(a) == index(b)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -124,3 +124,7 @@ def preflight(config: Any) -> None:
                               f"'<component>/<part>').{hint}")
     check_metric_setting("checkpoint.keep_best", config.checkpoint.keep_best, config, components)
     check_metric_setting("monitor.early_stop.metric", config.monitor.early_stop.metric, config, components)
+    if config.is_online and config.rollout.sampler_device != "auto":  # used once the policy has loaded
+        from rlft.models.loading import resolve_device
+
+        resolve_device(config.rollout.sampler_device, "rollout.sampler_device")

@@ -183,7 +183,11 @@ def _engines(config: Config, policy: Any, dtype: torch.dtype | None,
     if not r.async_steps:
         engine = rollout_engine(r, policy, config.seed, dtype)
         return engine, engine, policy.model
-    copy_ = sampler_copy(policy, torch.device("cpu") if r.engine == "vllm" else None)
+    if r.engine == "vllm":
+        copy_ = sampler_copy(policy, torch.device("cpu"), holds_only=True)
+    else:
+        copy_ = sampler_copy(policy, None if r.sampler_device == "auto" else
+                             resolve_device(r.sampler_device, "rollout.sampler_device"))
     sample_engine = rollout_engine(r, copy_, config.seed, dtype)
     if isinstance(sample_engine, HFEngine) and use_process(r.sampler, copy_.device, several_ranks):
         sample_engine = ProcessEngine(sample_engine)

@@ -98,6 +98,10 @@ def check_async_ranks(config: Any) -> None:
     """What rollout.async_steps > 0 cannot do on several ranks yet, with the reason (checked by the
     launcher before ranks start, and by each rank under a plain torchrun)."""
     r = config.rollout
+    if r.sampler_device != "auto":
+        raise ConfigError(f"rollout.sampler_device={r.sampler_device} names one device, and under torchrun every "
+                          "rank would sample on it: each rank's sampler uses its own GPU; drop "
+                          "rollout.sampler_device, or run in one process")
     if r.engine == "vllm":
         raise ConfigError(f"rollout.async_steps={r.async_steps} with rollout.engine=vllm runs in one process so far: "
                           "a vLLM engine built in a rank joins the job's process group, and its weight pushes and "
@@ -205,16 +209,18 @@ class SharedScorer:
         return getattr(self._scorer, name)
 
 
-def sampler_copy(policy: Any, device: torch.device | None = None) -> Any:
-    """A LoadedModel whose module is a copy of `policy`'s (unsharded) one: what the sampler thread
-    samples from (hf) or pushes to its engine (vllm: kept on `device`, the CPU, where it only
-    holds weights), while the trainer updates the original. Its parameters keep their
+def sampler_copy(policy: Any, device: torch.device | None = None, holds_only: bool = False) -> Any:
+    """A LoadedModel whose module is a copy of `policy`'s (unsharded) one, on `device` (None: the
+    policy's): what the sampler thread samples from (hf; rollout.sampler_device) or pushes to its
+    engine (vllm: `holds_only`, kept on the CPU where it only holds weights, while the engine's
+    device stays the policy's), while the trainer updates the original. Its parameters keep their
     requires_grad flags: on CPU a no-grad forward took other kernels with them off (log-probs
     differed in the 7th digit), and the sampler must compute what the live module would."""
     model = copy.deepcopy(policy.model)
-    if device is not None:
-        model.to(device)
-    return dataclasses.replace(policy, model=model, mirror=None)
+    if device is None:
+        return dataclasses.replace(policy, model=model, mirror=None)
+    model.to(device)
+    return dataclasses.replace(policy, model=model, mirror=None, **({} if holds_only else {"device": device}))
 
 
 def trained_tensors(model: Any) -> list[tuple[str, torch.Tensor]]:
