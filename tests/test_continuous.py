@@ -158,3 +158,29 @@ def test_continuous_with_vllm_is_refused_by_name(tmp_path):
            "rollout": {"engine": "vllm"}, "agent": {"tools": ["calculator"], "schedule": "continuous"}}
     with pytest.raises(ValueError, match=r"(?s)agent.schedule=continuous .* rollout.engine=vllm"):
         Config.model_validate(json.loads(json.dumps(cfg)))
+
+
+def test_waiting_on_tools_sleeps_until_an_episode_can_go_on():
+    """When every episode waits on a tool the driver sleeps until all of one episode's calls are
+    ready (not polling, not waking for an episode still waiting on its second call), and a call
+    past its time limit counts as ready."""
+    from rlft.rollout.tools import PendingCall, Tool, start_call
+
+    def nap(seconds: float) -> str:
+        time.sleep(seconds)
+        return "ok"
+
+    tool = {"nap": Tool(name="nap", fn=nap, schema={})}
+    first = [start_call(tool, "nap", {"seconds": 0.05}), start_call(tool, "nap", {"seconds": 0.6})]
+    second = [start_call(tool, "nap", {"seconds": 0.3})]
+    start, cpu = time.perf_counter(), time.thread_time()
+    PendingCall.wait_any([first, second], timeout_s=10.0)
+    waited, spent = time.perf_counter() - start, time.thread_time() - cpu
+    assert all(c.ready(10.0) for c in second) and not first[1].ready(10.0)
+    assert 0.25 <= waited < 0.55, waited  # woke for `second`, not for first[0] alone
+    print(f"waited {waited:.3f} s, CPU {spent * 1e3:.2f} ms")
+    assert spent < 0.002, spent  # slept (a 1 ms polling loop took 6 ms of CPU over 0.3 s)
+    stuck = [start_call(tool, "nap", {"seconds": 5.0})]
+    start = time.perf_counter()
+    PendingCall.wait_any([stuck], timeout_s=0.2)
+    assert 0.15 <= time.perf_counter() - start < 1.0  # its time limit, not its end

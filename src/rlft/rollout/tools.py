@@ -145,6 +145,10 @@ def start_call(tools: dict[str, Tool], name: str, arguments: Any) -> "PendingCal
     return PendingCall(None, tool, arguments)
 
 
+# notified whenever any call's thread finishes: what `wait_any` sleeps on
+_FINISHED = threading.Condition()
+
+
 class PendingCall:
     """A call that runs in a daemon thread from construction on (or an immediate result)."""
 
@@ -163,11 +167,23 @@ class PendingCall:
             self.outcome.append(("value", self.tool.fn(**arguments)))
         except BaseException as exc:  # noqa: BLE001  (anything a tool raises is an observation)
             self.outcome.append(("error", exc))
+        finally:
+            with _FINISHED:
+                _FINISHED.notify_all()
 
     def ready(self, timeout_s: float) -> bool:
         """Whether `result(timeout_s)` would answer without waiting."""
         return (self.immediate is not None or bool(self.outcome)
                 or time.perf_counter() - self.start >= timeout_s)
+
+    @staticmethod
+    def wait_any(groups: list[list["PendingCall"]], timeout_s: float) -> None:
+        """Sleep until every call of one of `groups` is ready (finished, or `timeout_s` past its
+        start). No polling: a finishing call wakes the waiter, which checks again."""
+        with _FINISHED:  # a call finishing between the check and the wait notifies after it
+            while not any(all(call.ready(timeout_s) for call in group) for group in groups):
+                running = [call.start for group in groups for call in group if not call.ready(timeout_s)]
+                _FINISHED.wait(max(0.0, min(running) + timeout_s - time.perf_counter()))
 
     def result(self, timeout_s: float) -> ToolResult:
         """Wait at most until `timeout_s` after the call started."""

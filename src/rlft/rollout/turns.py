@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -262,8 +261,9 @@ class TurnDriver:
                 waiting = [w for w in waiting if w not in answered]
                 batch.add([request(ep) for ep, started in answered if self._observe(ep, started)])
                 busy = True
-            if not busy:
-                time.sleep(0.001)  # every episode waits on a tool
+            if not busy:  # every episode waits on a tool: sleep until one of them returns
+                PendingCall.wait_any([[call for _, call in started] for _, started in waiting],
+                                     self.limits.tool_timeout_s)
                 continue
             finished, busy = batch.step(self.STEPS_PER_POLL)
             for key, out in finished:
