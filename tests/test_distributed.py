@@ -352,32 +352,38 @@ def test_a_dead_rank_ends_the_job_instead_of_hanging_it(root):
     assert "exitcode  : -9" in err or "Signal 9" in err or "SIGKILL" in err, err[-2000:]
 
 
-@pytest.mark.slow  # ~15-30 s: a two-rank launch; make test keeps the dead-rank test
-def test_a_reward_error_on_one_rank_stops_every_rank_at_once(root):
+@pytest.mark.slow  # ~15-30 s each: a two-rank launch; make test keeps the dead-rank test
+@pytest.mark.parametrize("method", ["grpo", "dapo"])
+def test_a_reward_error_on_one_rank_stops_every_rank_at_once(root, method):
     """The failing rank names its error; the other stops at the same step naming that rank,
-    instead of waiting in the update's collectives until dist_timeout_s."""
-    (root / "rank_reward.py").write_text(  # rank 1 fails from its second step on (8 rows a step)
+    instead of waiting in the update's collectives until dist_timeout_s. DAPO's dynamic sampling
+    votes after each of its rounds (their collectives follow), and no second time for the batch."""
+    name = f"reward-error-{method}"
+    (root / f"{name}.py").write_text(  # rank 1 fails from its second step on (8 rows a round)
         "import os, pathlib\n"
         "def digits(prompt, completion, **row):\n"
-        f"    calls = pathlib.Path({str(root)!r}) / ('reward-calls-' + os.environ.get('RANK', '0'))\n"
+        f"    calls = pathlib.Path({str(root)!r}) / ('{name}-calls-' + os.environ.get('RANK', '0'))\n"
         "    with calls.open('a') as f:\n"
         "        f.write('.')\n"
         "    if os.environ.get('RANK') == '1' and calls.stat().st_size > 8:\n"
         "        raise ValueError('rank one cannot score this')\n"
-        "    return 0.5\n")
-    cfg = yaml.safe_load(config(root, "grpo", "reward-error").read_text())
-    cfg["rewards"] = [{"fn": f"{root / 'rank_reward.py'}:digits"}]
+        "    return float(len(completion) % 2)  # groups with signal: dynamic sampling keeps them\n")
+    cfg = yaml.safe_load(config(root, method, name).read_text())
+    cfg["rewards"] = [{"fn": f"{root / (name + '.py')}:digits"}]
     cfg["training"]["dist_timeout_s"] = 300
-    path = root / "reward-error.yaml"
+    path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     started = time.time()
     result = launch(path, timeout=280)
     assert result.returncode != 0
-    assert time.time() - started < 120  # far below dist_timeout_s: no rank waited for the other
     out = result.stdout + result.stderr
+    assert time.time() - started < 120, out[-3000:]  # far below dist_timeout_s: no rank waited for the other
     assert "rank one cannot score this" in out, out[-3000:]
     assert "rank 1 stopped" in out, out[-3000:]
-    assert (root / "reward-error" / "checkpoints" / "step-00000001" / "COMPLETE").exists()  # saved together
+    # each rank stops on its own: no rank left waiting in a collective its peer never joined
+    assert "[rank0]: rlft.errors.TrainingHalted" in out and "[rank1]: rlft.errors.TrainingHalted" in out, out[-3000:]
+    assert "all_gather" not in out, out[-3000:]
+    assert (root / name / "checkpoints" / "step-00000001" / "COMPLETE").exists(), out[-3000:]  # saved together
 
 
 def parents() -> dict[int, int]:

@@ -156,7 +156,8 @@ class SyncRollouts:
             rollout = self.maker.make(self.consumed)
         except (RewardError, EnvironmentFailed) as exc:
             failed = exc
-        failed = first_failure(self.maker.world, failed, "its batch")
+        if not self.maker.dynamic_sampling:  # (its rounds voted already, each before the next one's collectives)
+            failed = first_failure(self.maker.world, failed, "its batch")
         if failed is not None:  # every rank stops at this step (the loop then saves, together)
             raise failed
         self.maker.reduce(rollout)
