@@ -290,16 +290,6 @@ def test_a_named_sampler_device_gets_the_copy_and_samples_what_auto_does(root, m
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_async_with_vllm_under_torchrun_is_refused_before_ranks_start(root):
-    """The hf engine's sampler threads run on several ranks (tests/test_distributed.py); a vLLM
-    engine in a rank joins the job's process group, and its pushes beside the training
-    collectives are not checked yet: one line saying so, before any rank starts."""
-    from rlft.launch import check_launch
-
-    with pytest.raises(ConfigError, match="async_steps=1 with rollout.engine=vllm runs in one process"):
-        check_launch(load_config(grpo(root, "ranks", 1, rollout={"engine": "vllm"})), 2)
-
-
 def test_bypass_uses_the_samplers_logprobs_as_pi_old(root):
     """k = 1 with bypass: the run trains (the final weights moved) and, from step 2 on, the first
     update's ratio against the one-step-old sampler is not 1 (staleness 1 is in the clipping);

@@ -268,6 +268,35 @@ def test_two_ranks_with_async_rollouts_train_what_one_process_trains(root, two_r
     assert [r["loss"] for r in m2] == pytest.approx([r["loss"] for r in m1], rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.slow  # ~90 s: three two-rank launches, each building a vLLM engine per rank
+def test_async_rollouts_on_vllm_on_two_ranks_push_each_version_and_resume_exactly(root):
+    """rollout.async_steps=1 with a vLLM engine per rank: each rank's sampler thread pushes the
+    weights the trainer published (gathered from the shards) into its engine beside the training
+    collectives. Step 1 samples version 0 and trains version 0 (engine and trainer agree to float
+    noise), later steps sample one update older; a run stopped after 2 steps and continued equals
+    the uninterrupted one bitwise."""
+    def vllm_async(name: str, steps: int, output: str | None = None) -> Path:
+        path = async_config(root, name, output, max_steps=steps, learning_rate=1e-2)
+        cfg = yaml.safe_load(path.read_text())
+        cfg["rollout"].update(engine="vllm", vllm={"kv_cache_bytes": 1 << 26})
+        cfg["rollout"].pop("sampler")
+        path.write_text(yaml.safe_dump(cfg))
+        return path
+
+    for cfg in (vllm_async("vllm-async-2", 3), vllm_async("vllm-async-stop-2", 2),
+                vllm_async("vllm-async-stop-2-more", 3, output="vllm-async-stop-2")):
+        result = launch(cfg, replay=False, timeout=300)  # one engine per launch: it outlives its group
+        assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics(root / "vllm-async-2")
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+    diffs = [r["rollout/logprob_diff_max"] for r in rows]
+    assert diffs[0] < 1e-3 and all(d > 1e-3 for d in diffs[1:]), diffs  # v0 pushed, then one update old
+    assert [r["reward/mean"] for r in metrics(root / "vllm-async-stop-2")] == [r["reward/mean"] for r in rows]
+    whole, split = weights(root / "vllm-async-2"), weights(root / "vllm-async-stop-2")
+    assert whole.keys() == split.keys() and all(torch.equal(whole[k], split[k]) for k in whole)
+
+
+
 @pytest.fixture(scope="module")
 def async_replay(root) -> subprocess.CompletedProcess:
     """Async runs on two ranks with the replay engine (dist_driver.py; one launch): a 3-step run;

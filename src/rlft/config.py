@@ -242,7 +242,7 @@ class RolloutConfig(Section):
                              "optimizer steps behind (batch j samples from the weights after exactly max(0, j-k) "
                              "steps, so a run does not depend on timing); 0: generate, then train, in turn. k > 0 "
                              "needs algorithm.rollout_correction (tis or bypass). Under torchrun each rank's "
-                             "sampler samples its share of the prompts (the hf engine; vLLM: one process so far).")
+                             "sampler samples its share of the prompts.")
     sampler: Literal["auto", "process", "thread"] = Field(
         "auto", description="With async_steps > 0 and the hf engine, where tokens are generated: 'process', an "
                             "HFEngine in a child process sampling from a shared-memory copy of the policy (its own "

@@ -102,11 +102,6 @@ def check_async_ranks(config: Any) -> None:
         raise ConfigError(f"rollout.sampler_device={r.sampler_device} names one device, and under torchrun every "
                           "rank would sample on it: each rank's sampler uses its own GPU; drop "
                           "rollout.sampler_device, or run in one process")
-    if r.engine == "vllm":
-        raise ConfigError(f"rollout.async_steps={r.async_steps} with rollout.engine=vllm runs in one process so far: "
-                          "a vLLM engine built in a rank joins the job's process group, and its weight pushes and "
-                          "generation from the sampler thread beside the training collectives are not checked yet; "
-                          "use rollout.engine=hf, launch without --nproc / torchrun, or set rollout.async_steps=0")
 
 
 def staleness_metrics(batch: int, completions: list[Completion]) -> dict[str, float]:
