@@ -1,9 +1,10 @@
 """The training session: the optimizer step and its non-finite guard, the step counter, signals,
-progress output, and checkpoints of named state parts.
+progress output, evaluations and the final export; checkpoints through its `RunState`
+(training/run_state.py).
 
 Whatever else must survive a restart (the data order, a KL controller, the rollout engine's
-sampler, a critic) is registered by its owner with `register(name, part)`; a part has
-`state_dict()` / `load_state_dict()`. A checkpoint stores the model weights plus
+sampler, a critic, an async run's queue) is registered by its owner with `register(name, part)`;
+a part has `state_dict()` / `load_state_dict()`. A checkpoint stores the model weights plus
 `{"step", "rng", "parts": {name: part.state_dict()}}`, and `resume()` loads them back in place.
 """
 
@@ -16,7 +17,7 @@ import signal
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -27,7 +28,6 @@ from rlft.errors import ResumeError, RlftError, TrainingHalted
 from rlft.models.compiled import check_compile_available, compiled_forwards
 from rlft.models.loading import LoadedModel, export_model, resolve_device
 from rlft.models.precision import Precision, resolve_precision
-from rlft.models.template import check_template
 from rlft.monitor.catalogue import preflight
 from rlft.monitor.console import ProgressDisplay, console
 from rlft.monitor.loggers import LoggerGroup, build_loggers
@@ -37,15 +37,10 @@ from rlft.rewards.calls import ScoringInterrupted
 from rlft.training import checkpoint as ckpt
 from rlft.training.distributed import SINGLE, World, full_state_dict, reshard
 from rlft.training.optim import build_optimizer, build_scheduler, clip_gradients
+from rlft.training.run_state import RunState, Stateful
 from rlft.training.threads import set_run_threads
 
 log = logging.getLogger(__name__)
-
-
-class Stateful(Protocol):
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 def seed_everything(seed: int) -> None:
@@ -182,7 +177,6 @@ class TrainingSession:
         self.training = training
         self.checkpointing = checkpointing
         self.progress, self.log_every = progress and world.main, log_every
-        self.allow_template_change = allow_template_change
         # everything the optimizer trains, by name (the names key its state in checkpoints)
         self.trainables = torch.nn.ModuleDict({"policy": policy.model})
         self.params = policy.trainable_parameters()
@@ -199,19 +193,17 @@ class TrainingSession:
         self.halt: str | None = None  # a health alert whose action is 'stop'
         self.early_stop: str | None = None
         self.clock = RunClock()
-        self._saved_step: int | None = None
-        self._parts: dict[str, Stateful] = {"optimizer": OptimizerState(self.trainables, self.optimizer),
-                                            "nonfinite": self.guard, "monitor": self.monitor, "clock": self.clock}
-        if self.scaler is not None:
-            self._parts["grad_scaler"] = self.scaler
+        self.state = RunState(run, policy, checkpointing, world, allow_template_change)
+        for name, part in (("optimizer", OptimizerState(self.trainables, self.optimizer)), ("nonfinite", self.guard),
+                           ("monitor", self.monitor), ("clock", self.clock), ("grad_scaler", self.scaler)):
+            if part is not None:
+                self.state.register(name, part)
         self._mirror_stale = False
         self._old_handlers: dict[int, Any] = {}
 
     def register(self, name: str, part: Stateful) -> None:
         """Checkpoint `part` under `name` and load it back on resume."""
-        if name in self._parts:
-            raise ValueError(f"state part {name!r} is registered twice")
-        self._parts[name] = part
+        self.state.register(name, part)
 
     # -- optimisation -------------------------------------------------------------------------
     def add_module(self, name: str, module: torch.nn.Module) -> None:
@@ -226,7 +218,7 @@ class TrainingSession:
     def start(self, total_steps: int, keys: list[str], title: str, updates_per_step: int = 1) -> None:
         self.total_steps = total_steps
         self.scheduler = build_scheduler(self.optimizer, self.training, total_steps * updates_per_step)
-        self._parts["scheduler"] = self.scheduler
+        self.state.register("scheduler", self.scheduler)
         self._install_signal_handlers()
         self.display = ProgressDisplay(total_steps, self.step, keys, self.progress, title)
 
@@ -305,67 +297,17 @@ class TrainingSession:
         return self.world.any(local)
 
     def save_checkpoint(self) -> Path:
-        """Save, keeping the last N and (with checkpoint.keep_best) the best by a logged metric."""
-        if self._saved_step == self.step:  # already saved at this step (e.g. as a new best)
-            return ckpt.checkpoint_path(self.run.checkpoints, self.step)
-        cfg = self.checkpointing
-        best = ckpt.read_best(self.run.checkpoints)
-        protect = {best["checkpoint"]} if best else set()
+        """Save this step, keeping the last N and (with checkpoint.keep_best) the best by a logged metric."""
         self.sync_mirror()
-        sharded = self.world.active  # optimizer states stay sharded: every rank writes its part
-        parts = {name: part.state_dict() for name, part in self._parts.items()
-                 if not (sharded and getattr(part, "sharded", False))}
-        shards = {name: part.state_dict() for name, part in self._parts.items()
-                  if sharded and getattr(part, "sharded", False)}
-        weights = self.policy.unsharded()
-        path = ckpt.save_checkpoint(self.run.checkpoints, self.step, weights.model, weights.is_lora,
-                                    self.policy.tokenizer, {"parts": parts, "world_size": self.world.size},
-                                    cfg.keep_last, protect, world=self.world, sharded=shards or None)
-        value = self.last_metrics.get(cfg.keep_best) if cfg.keep_best else None
-        if value is not None and math.isfinite(value) and self.world.main:
-            better = best is None or (value > best["value"] if cfg.best_mode == "max" else value < best["value"])
-            if better:
-                ckpt.record_best(self.run.checkpoints, path.name, cfg.keep_best, value)
-                if best and best["checkpoint"] != path.name:  # the previous best is now an ordinary one
-                    ckpt.prune(self.run.checkpoints, cfg.keep_last, {path.name})
-        self._saved_step = self.step
-        return path
-
-    def _improves_best(self, record: dict[str, Any]) -> bool:
-        cfg = self.checkpointing
-        value = record.get(cfg.keep_best) if cfg.keep_best else None
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
-            return False
-        best = ckpt.read_best(self.run.checkpoints)
-        return best is None or (value > best["value"] if cfg.best_mode == "max" else value < best["value"])
+        return self.state.save(self.step, self.last_metrics)
 
     def resume(self) -> bool:
         """Load the newest intact checkpoint into the model and every registered part; False on a
         fresh start."""
-        ckpt.remove_stale_temporaries(self.run.checkpoints)  # space a failed save may still hold
-        path = ckpt.find_latest(self.run.checkpoints)
-        if path is None:
-            self.run.truncate_logs(0)  # logs of an attempt that never reached a checkpoint
+        found = self.state.resume()
+        if found is None:
             return False
-        check_template(path, self.policy.tokenizer, self.allow_template_change)
-        self._load_weights(path)
-        state = ckpt.load_trainer_state(path)
-        template = {name: part.state_dict() for name, part in self._parts.items() if getattr(part, "sharded", False)}
-        shards = ckpt.load_sharded(path, template) or {}  # written by several ranks: resharded onto this run
-        missing = sorted(set(self._parts) - set(state["parts"]) - set(shards))
-        if missing:
-            raise ResumeError(f"{path} has no saved state for {', '.join(missing)} (written by another rlft "
-                              "version or method).\nFix: start the run again in a new output_dir")
-        for name, part in self._parts.items():
-            if name in shards:
-                part.load_state_dict(shards[name])
-            elif getattr(part, "sharded", False) and self.world.active:
-                part.load_full_state_dict(state["parts"][name])  # one process wrote it whole
-            else:
-                part.load_state_dict(state["parts"][name])
-        self.step = state["step"]
-        ckpt.set_rng_state(state["rng"])
-        self.run.truncate_logs(self.step)
+        path, self.step = found
         if self.step >= self.total_steps:
             raise TrainingHalted(
                 f"nothing to train: {path} is at step {self.step} and the run has {self.total_steps} steps.\n"
@@ -376,25 +318,13 @@ class TrainingSession:
             self.display.update(self.step, {})
         return True
 
-    def _load_weights(self, path: Path) -> None:
-        """The checkpoint's (whole) weights into the policy; in a distributed run into the
-        unsharded copy, then into every rank's shards."""
-        target = self.policy.unsharded()
-        ckpt.load_model_weights(target.model, target.is_lora, path)
-        if self.policy.mirror is not None:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-            set_model_state_dict(self.policy.model, target.model.state_dict(),
-                                 options=StateDictOptions(full_state_dict=True))
-
     def eval_due(self) -> bool:
         """After every `training.eval_every` steps, and after the last step."""
         every = self.training.eval_every
         return self.step == self.total_steps or bool(every) and self.step % every == 0
 
     def checkpoint_due(self) -> bool:
-        every = self.checkpointing.every
-        return bool(every) and self.step % every == 0 and self.step < self.total_steps
+        return self.state.due(self.step, self.total_steps)
 
     # -- signals ------------------------------------------------------------------------------
     def _install_signal_handlers(self) -> None:
@@ -494,7 +424,7 @@ class TrainingSession:
             if alert.action == "stop":
                 self.halt = self.halt or f"{alert.detector}: {alert.message}"
         self.early_stop = self.early_stop or self.monitor.should_stop_early(record)
-        if self._improves_best(record):
+        if self.state.improves_best(record):
             self.save_checkpoint()
 
     def fail_evaluation(self, reason: str) -> None:
