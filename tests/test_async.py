@@ -208,32 +208,45 @@ def test_stopping_and_continuing_at_several_points_is_exact(root):
     assert_same_run(reference, root / "stops-k2")
 
 
-def test_a_failing_sampler_stops_with_a_checkpoint_and_resumes_identically(root, monkeypatch):
-    """The engine raises on its 4th batch, in the sampler thread: the loop trains what was sampled
-    before it, then stops naming the error, with the last completed step saved; after the fix
-    the resumed run equals one that never failed."""
+@pytest.mark.parametrize("where", ["generate", "push"])
+def test_a_failing_sampler_stops_with_a_checkpoint_and_resumes_identically(root, monkeypatch, where):
+    """The engine raises on its 4th batch (or the weight push before it fails), in the sampler
+    thread: the loop trains what was sampled before it, then stops naming the error and what the
+    sampler was doing, with the last completed step saved; after the fix the resumed run equals
+    one that never failed."""
     from rlft.rollout.hf import HFEngine
 
     reference = root / "run-k1"
     if not reference.exists():
         train(grpo(root, reference.name, 1))
-    real = HFEngine.generate
+    real_generate, real_push = HFEngine.generate, HFEngine.sync_weights
+    pushes = []
 
     def flaky(self, prompts, params, first_prompt=0):
         if self._stream == "train" and self._calls == 3:
             raise RuntimeError("boom in the engine")
-        return real(self, prompts, params, first_prompt)
+        return real_generate(self, prompts, params, first_prompt)
 
-    monkeypatch.setattr(HFEngine, "generate", flaky)
-    cfg = grpo(root, "failing-k1", 1, rollout={"sampler": "thread"})  # the patch holds in this process
+    def failing_push(self):  # k = 1 pushes version 0 for batch 1, 1 for batch 3, 2 for batch 4: the 3rd fails
+        pushes.append(1)
+        if len(pushes) == 3:
+            raise OSError("the push broke")
+
+    monkeypatch.setattr(HFEngine, *(("generate", flaky) if where == "generate" else ("sync_weights", failing_push)))
+    cfg = grpo(root, f"failing-{where}-k1", 1, rollout={"sampler": "thread"})  # the patch holds in this process
     with pytest.raises(TrainingHalted) as exc:
         train(cfg)
     message = str(exc.value)
-    assert "sampler failed while making batch 4" in message and "RuntimeError: boom in the engine" in message
+    if where == "generate":
+        assert "sampler failed while making batch 4" in message and "RuntimeError: boom in the engine" in message
+    else:
+        assert "sampler failed while loading the weights of version 2 into its engine (the push) for batch 4: " \
+               "OSError: the push broke" in message, message
     assert "last completed step (3)" in message
-    monkeypatch.setattr(HFEngine, "generate", real)
+    monkeypatch.setattr(HFEngine, "generate", real_generate)
+    monkeypatch.setattr(HFEngine, "sync_weights", real_push)
     train(cfg)
-    assert_same_run(reference, root / "failing-k1")
+    assert_same_run(reference, root / f"failing-{where}-k1")
 
 
 @pytest.mark.parametrize("change,message", [

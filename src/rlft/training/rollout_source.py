@@ -242,7 +242,7 @@ class AsyncRollouts:
         self.consumed = 0  # batches trained: the newest version
         self._next = 0  # the batch the sampler makes next
         self._taken: Rollout | None = None  # the batch the loop is training on
-        self._failure: tuple[int, BaseException] | None = None
+        self._failure: tuple[int, BaseException, str] | None = None  # (batch, error, what the sampler did)
         self._stop = False
         self._thread: threading.Thread | None = None
 
@@ -305,11 +305,10 @@ class AsyncRollouts:
             self._cv.wait(timeout=0.5)
 
     def _failure_error(self) -> BaseException:
-        batch, exc = self._failure
+        _, exc, doing = self._failure
         if isinstance(exc, (RewardError, EnvironmentFailed)):  # the loop names these as a synchronous run does
             return exc
-        return SamplerFailed(f"the rollout sampler failed while making batch {batch + 1}: "
-                             f"{type(exc).__name__}: {exc}")
+        return SamplerFailed(f"the rollout sampler failed while {doing}: {type(exc).__name__}: {exc}")
 
     def close(self, wait: bool = True) -> None:
         with self._cv:
@@ -375,16 +374,18 @@ class AsyncRollouts:
                     del self._snapshots[old]
                 waited = time.perf_counter() - waited
             undo = StepStart(self.maker.parts(), rng=False)  # the global RNGs are the trainer's
+            doing = f"loading the weights of version {version} into its engine (the push) for batch {b + 1}"
             try:
                 if loaded != version:
                     self._load(snapshot)
                     loaded = version
+                doing = f"making batch {b + 1}"
                 rollout = self.maker.make(version)
             except BaseException as exc:  # the loop stops with a checkpoint when it reaches batch b
                 undo.restore()
                 log.error("the rollout sampler failed at batch %d", b + 1, exc_info=True)
                 with self._cv:
-                    self._failure = (b, exc)
+                    self._failure = (b, exc, doing)
                     self._cv.notify_all()
                 return
             rollout.metrics["time/sampler_wait"] = waited
