@@ -151,15 +151,6 @@ def test_the_process_sampler_drives_the_same_continuous_batch(calc, tmp_path):
         remote_engine.close()
 
 
-def test_continuous_with_vllm_is_refused_by_name(tmp_path):
-    from rlft.config import Config
-
-    cfg = {"method": "grpo", "output_dir": str(tmp_path / "run"), "model": {"path": "m"}, "data": {"train": "d.jsonl"}, "rewards": [{"fn": "math"}],
-           "rollout": {"engine": "vllm"}, "agent": {"tools": ["calculator"], "schedule": "continuous"}}
-    with pytest.raises(ValueError, match=r"(?s)agent.schedule=continuous .* rollout.engine=vllm"):
-        Config.model_validate(json.loads(json.dumps(cfg)))
-
-
 def test_waiting_on_tools_sleeps_until_an_episode_can_go_on():
     """When every episode waits on a tool the driver sleeps until all of one episode's calls are
     ready (not polling, not waking for an episode still waiting on its second call), and a call

@@ -286,6 +286,66 @@ def test_multi_turn_episodes_continue_from_the_sampled_token_ids(full):
     assert [c.completion_ids for c in alone] == [c.completion_ids for c in episodes[2:4]]
 
 
+def test_continuous_turns_on_vllm_are_the_rounds_episodes(full):
+    """agent.schedule: continuous on the vLLM engine: each turn is a request added to the running
+    engine as soon as its episode's calls return. Tool latencies that reorder the requests change
+    no episode (the same ids, masks, messages as the rounds schedule), the engine's stream count
+    ends equal, and a slow call holds up only its own episode."""
+    import time
+
+    from rlft.rollout.tools import load_tools
+    from rlft.rollout.turns import AgentLimits, TurnDriver
+    from test_agents_scale import QUESTIONS, calls_on_some_turns
+    from test_continuous import slow_calculator
+
+    policy, engine, _ = full
+    questions = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=10, stop=("a", "e"))
+    delays = {f"{n}*2": 0.4 if n % 2 else 0.0 for n in range(200)}  # odd-length turns wait 0.4 s
+
+    def run(schedule):
+        ended = {}
+        driver = TurnDriver(engine, policy.tokenizer, [slow_calculator(delays)], calls_on_some_turns,
+                            AgentLimits(max_turns=4, max_total_tokens=200), schedule=schedule)
+        take = driver._take_turn
+
+        def timed(ep, out, turn, stop=()):
+            ended.setdefault(ep.index, []).append(time.perf_counter())
+            return take(ep, out, turn, stop)
+
+        driver._take_turn = timed
+        with engine.isolated_rng(0):
+            start = time.perf_counter()
+            episodes = driver.run(questions, params)
+            return episodes, engine.state_dict(), {i: [t - start for t in ts] for i, ts in ended.items()}
+
+    rounds, r_state, r_ended = run("rounds")
+    continuous, c_state, c_ended = run("continuous")
+    assert max(e.episode.turns for e in rounds) >= 3 and sum(e.episode.tool_calls for e in rounds) >= 4
+    for a, b in zip(rounds, continuous):
+        assert (a.completion_ids, a.loss_mask, a.episode.messages) == (b.completion_ids, b.loss_mask, b.episode.messages)
+        assert a.finish_reason == b.finish_reason and a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    assert r_state == c_state
+    assert max_gap(policy, continuous, 1.0) <= TOL
+    # (seconds from an episode's first turn to its second): rounds wait for the round's slowest
+    # call (0.4 s), continuous turns go on as soon as their own call returned
+    gaps = {name: [t[1] - t[0] for t in ended.values() if len(t) > 1] for name, ended in
+            (("rounds", r_ended), ("continuous", c_ended))}
+    assert min(gaps["rounds"]) >= 0.4 and min(gaps["continuous"]) < 0.3, gaps
+
+
+def test_a_call_larger_than_one_engine_step_samples(full):
+    """Many more prompt tokens in one call than vLLM schedules in a step (64 prompts of ~500
+    tokens against a budget of 4096): with chunked prefill vLLM split a prompt over steps and
+    rewound its seeded generator, which CPU generators cannot do ("CPU Generator does not use
+    offset"; this call failed so); rlft's CPU engine prefills whole prompts."""
+    policy, engine, _ = full
+    many = chat_prompts(policy.tokenizer, [" ".join(["count"] * 100) + f" {i}" for i in range(64)])
+    assert sum(map(len, many)) > 7 * 4096
+    out = engine.generate(many, SamplingParams(n=1, temperature=1.0, max_new_tokens=2))
+    assert len(out) == 64 and all(c.completion_ids for c in out)
+
+
 def test_unsupported_sampling_is_refused(full, prompts):
     _, engine, _ = full
     with pytest.raises(ConfigError, match="top_p"):
@@ -470,6 +530,24 @@ def _grpo_on_vllm(tmp_path, qwen_path, name, steps, **extra):
     summary = train(cfg)
     torch.set_num_threads(1)
     return summary
+
+
+@pytest.mark.slow  # ~12 s each: its own engine; make test keeps the driver-level test above
+@pytest.mark.parametrize("schedule", ["rounds", "continuous"])
+def test_an_agent_run_on_vllm_trains_and_evaluates(tmp_path, qwen_path, schedule):
+    """Agent episodes on vLLM through `rlft train`, the calculator offered, up to 2 turns, trained
+    and evaluated on 16 held-out prompts x 4 episodes (rounds: each round one generate call;
+    continuous: each turn a request added to the running engine). Before the fix both crashed in
+    the held-out evaluation: its requests overflowed one step's token budget, vLLM split a prompt
+    over steps and rewound its seeded CPU generator ("CPU Generator does not use offset")."""
+    import json
+
+    summary = _grpo_on_vllm(tmp_path, qwen_path, "agent", 2,
+                            agent={"tools": ["calculator"], "max_turns": 2, "max_total_tokens": 200,
+                                   "schedule": schedule})
+    assert summary["status"] == "completed"
+    rows = [json.loads(line) for line in (tmp_path / "agent" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all("agent/turns_mean" in r for r in rows), rows[0].keys()
 
 
 @pytest.mark.slow  # make test stays under 10 min; run with -m slow (make test-slow)

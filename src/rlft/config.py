@@ -488,7 +488,8 @@ class AgentConfig(Section):
                               "turn joins the decode batch as soon as its episode's calls return, so a slow call "
                               "holds up only its own episode (faster with slow tools; the same sampling streams, but "
                               "which rows share a batch follows tool timing, so float rounding is not reproducible "
-                              "bit for bit). rollout.engine=hf (LLaMA-family models; others keep rounds).")
+                              "bit for bit). The hf engine (LLaMA-family models; others keep rounds) or vLLM (each "
+                              "turn a request added to the running engine).")
 
     @field_validator("environment")
     @classmethod
@@ -794,10 +795,6 @@ class Config(Section):
         if self.algorithm.sft_mix and not self.is_online:
             raise ValueError(f"algorithm.sft_mix adds an SFT loss to online RL; method {self.method} does not use it")
         if self.agent is not None:
-            if self.agent.schedule == "continuous" and self.is_online and self.rollout.engine == "vllm":
-                raise ValueError("agent.schedule=continuous runs in the hf engine's decode batch; with "
-                                 "rollout.engine=vllm set agent.schedule=rounds (vLLM batches each round's turns "
-                                 "itself) or use rollout.engine=hf")
             if not self.is_online and self.method != "sft":
                 raise ValueError(f"agent: tools are used in online rollouts and in SFT on tool-use transcripts; "
                                  f"method {self.method} does neither (drop the agent section, or use sft or an "

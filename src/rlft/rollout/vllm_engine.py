@@ -31,7 +31,7 @@ import torch
 from rlft.config import VllmSettings
 from rlft.errors import ConfigError, RlftError
 from rlft.rollout.contract import Completion, SamplingParams
-from rlft.rollout.seeds import call_number, check_engine_state, request_seeds
+from rlft.rollout.seeds import call_number, check_engine_state, named_stream_seed, request_seeds, stream_seed
 from rlft.rollout.vllm_weights import (StalenessTracker, base_model_of, full_state, lora_rank, merged_lora_state,
                                        watched_tensors)
 
@@ -127,6 +127,12 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION,
         )
+        if not on_gpu:
+            # A prompt split over steps (chunked prefill) makes vLLM rewind the request's seeded
+            # generator, which CPU generators cannot do ("CPU Generator does not use offset"): a
+            # call whose prompts exceed one step's token budget (a large evaluation, an agent's
+            # later turns) crashed. Whole prompts per step instead.
+            args["enable_chunked_prefill"] = False
         if self.is_lora and s.lora_sync == "adapter":
             r = lora_rank(self.model)
             args.update(enable_lora=True, max_loras=1, max_lora_rank=min(k for k in _LORA_RANKS if k >= r))
@@ -213,6 +219,15 @@ class VLLMEngine:
                 out += [self._completion(i, list(prompt), sample, params) for _ in range(copies)]
         return out
 
+    def continuous(self, params: SamplingParams) -> "VllmContinuousBatch":
+        """Turns joining vLLM's running batch as they come (agent.schedule: continuous): one
+        request's turns, claiming its call as `generate` would for the first turn."""
+        self._check_request(params)
+        call, self._calls = call_number(self._calls, None)
+        self.sync_weights()
+        self._wake()
+        return VllmContinuousBatch(self, params, call)
+
     def _check_request(self, params: SamplingParams) -> None:
         if params.temperature > 0 and (params.top_p < 1.0 or params.top_k):
             raise ConfigError("rollout.engine=vllm reports log-probs renormalised over the top-p/top-k tokens, which "
@@ -289,3 +304,55 @@ class VLLMEngine:
         if self._lora_dir is not None:
             shutil.rmtree(self._lora_dir, ignore_errors=True)
         self.llm = None
+
+
+class VllmContinuousBatch:
+    """`rollout/continuous.py`'s batch on the vLLM engine: each turn is a vLLM request added to the
+    running engine (`LLMEngine.add_request`) and collected when it ends (`step`), so a turn joins
+    while the others decode, as vLLM's own scheduler batches them. Same streams as `generate`: a
+    first turn's sample k of prompt p draws with p's request seed + k (vLLM seeds a request's n
+    samples so), a later turn with its episode's named stream."""
+
+    def __init__(self, engine: VLLMEngine, params: SamplingParams, call: int):
+        self.engine, self.params, self.call = engine, params, call
+        self.core = engine.llm.llm_engine
+        self.pending: dict[str, Any] = {}  # vLLM request id -> TurnRequest
+        self.added = 0
+
+    def add(self, requests: list[Any]) -> None:
+        from dataclasses import replace
+
+        from vllm.sampling_params import RequestOutputKind
+
+        e, p = self.engine, self.params
+        for r in requests:
+            later = r.name is not None
+            if later:
+                seed = named_stream_seed(e._seed, e._stream, self.call, r.name, 0)
+            else:  # the prompt's request seed, as generate's; vLLM's child k samples with seed + k
+                seed = stream_seed(e._seed, e._stream, self.call, r.index // p.n) + r.index % p.n
+            cap = e._token_caps([r.ids], replace(p, max_new_tokens=r.max_new_tokens), later_turn=later)[0]
+            settings = e._vllm_params(replace(p, n=1), seed, cap)
+            settings.output_kind = RequestOutputKind.FINAL_ONLY  # only ended turns come back from step()
+            request_id = f"rlft-turn-{self.call}-{self.added}"
+            self.added += 1
+            self.core.add_request(request_id, {"prompt_token_ids": list(r.ids)}, settings,
+                                  lora_request=e._lora_request)
+            self.pending[request_id] = r
+
+    def step(self, max_steps: int) -> tuple[list[tuple[Any, Completion]], bool]:
+        """Run the engine until at least one turn has ended or `max_steps` engine steps; (the ended
+        turns, whether any is still running)."""
+        finished = []
+        for _ in range(max_steps):
+            if not self.pending or finished:
+                break
+            for out in self.core.step():
+                if out.finished and out.request_id in self.pending:
+                    r = self.pending.pop(out.request_id)
+                    finished.append((r.key, self.engine._completion(r.prompt_index, list(r.ids), out.outputs[0],
+                                                                    self.params)))
+        if not self.pending and self.engine.settings.sleep:
+            self.engine.llm.sleep(level=1)
+            self.engine._asleep = True
+        return finished, bool(self.pending)
