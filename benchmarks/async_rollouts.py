@@ -20,7 +20,9 @@ a child process (rollout.sampler=process, one thread there); the `cont` modes (a
 the agent's turns with agent.schedule=continuous (a slow call holds up only its own episode), the
 others in rounds. Every run uses rollout_correction=tis, so the loss is the same.
 `--modes "k=1 proc" sync-1t` runs a subset; `--lr` sets every run's learning rate (default 5e-5,
-at which the agent workload's episodes keep calling the tool over 8 steps).
+at which the agent workload's episodes keep calling the tool over 8 steps). `--engine vllm` samples
+with an in-process vLLM engine instead of the hf one (the `proc` modes, hf only, are skipped; `k=1
+cont` is the sampler thread with continuous turns).
 
 Per run: s/step (median over steps 2.., the first step has nothing to overlap with), completion
 tokens/s over those steps, the idle share of each side, the held-out reward (eval/reward_mean after
@@ -56,7 +58,8 @@ from harness import HERE, ROOT, build_models, rel, rlft_command, run_child, tail
 MODES = (("sync", 0, 2, "auto", "rounds"), ("sync-1t", 0, 1, "auto", "rounds"), ("k=1", 1, 1, "thread", "rounds"),
          ("k=2", 2, 1, "thread", "rounds"), ("k=1 proc", 1, 1, "process", "rounds"),
          ("k=2 proc", 2, 1, "process", "rounds"), ("sync cont", 0, 2, "auto", "continuous"),
-         ("k=1 proc cont", 1, 1, "process", "continuous"), ("k=2 proc cont", 2, 1, "process", "continuous"))
+         ("k=1 proc cont", 1, 1, "process", "continuous"), ("k=2 proc cont", 2, 1, "process", "continuous"),
+         ("k=1 cont", 1, 1, "thread", "continuous"))
 TOOL = f"{rel(Path(__file__).resolve())}:lookup"
 
 
@@ -128,8 +131,9 @@ def sft_tool_model(work: Path, base: Path, threads: int) -> Path:
 
 def grpo_config(name: str, workload: str, model: Path, k: int, threads: int, steps: int, evals: Path,
                 work: Path, sampler: str = "auto", schedule: str = "rounds", lr: float = 5e-5,
-                seed: int = 0) -> dict:
+                seed: int = 0, engine: str = "hf") -> dict:
     agent = workload == "agent"
+    vllm = {"engine": "vllm", "vllm": {"kv_cache_bytes": 1 << 28}} if engine == "vllm" else {}
     return {
         "method": "grpo", "output_dir": rel(work / "runs" / name), "seed": seed,
         "model": {"path": rel(model), "device": "cpu"},
@@ -137,7 +141,7 @@ def grpo_config(name: str, workload: str, model: Path, k: int, threads: int, ste
         "training": {"learning_rate": lr, "max_steps": steps, "num_threads": threads, "precision": "fp32",
                      "lr_scheduler": "constant"},
         "rollout": {"group_size": 4 if agent else 8, "prompts_per_step": 4, "max_new_tokens": 96 if agent else 48,
-                    "async_steps": k, "sampler": sampler},
+                    "async_steps": k, "sampler": sampler, **vllm},
         "algorithm": {"rollout_correction": "tis"},
         "rewards": [{"fn": "benchmarks/rewards.py:digit_share"}],
         # sampled, 4 per prompt: greedy answers of a random model flip between degenerate loops
@@ -174,11 +178,13 @@ def run_workload(workload: str, args, work: Path) -> list[dict]:
     evals = held_out(work / "async-heldout.jsonl")
     results = []
     for mode, k, threads, sampler, schedule in MODES:
-        if (args.modes and mode not in args.modes) or (schedule != "rounds" and workload != "agent"):
+        if (args.modes and mode not in args.modes) or (schedule != "rounds" and workload != "agent") or \
+                (args.engine == "vllm" and sampler == "process"):
             continue
-        name = f"async-{workload}-{mode.replace('=', '').replace(' ', '-')}" + (f"-seed{args.seed}" if args.seed else "")
+        name = f"async-{workload}-{mode.replace('=', '').replace(' ', '-')}" + (f"-seed{args.seed}" if args.seed else "") \
+            + ("-vllm" if args.engine == "vllm" else "")
         cfg = grpo_config(name, workload, model, k, threads, args.steps, evals, work, sampler, schedule, args.lr,
-                          args.seed)
+                          args.seed, args.engine)
         path = work / "configs" / f"{name}.yaml"
         path.write_text(json.dumps(cfg))
         shutil.rmtree(ROOT / cfg["output_dir"], ignore_errors=True)  # an existing run would be continued
@@ -228,6 +234,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--lr", type=float, default=5e-5, help="training.learning_rate of every run")
     parser.add_argument("--seed", type=int, default=0, help="the GRPO runs' seed (the SFT'd model stays)")
+    parser.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="rollout.engine of every GRPO run")
     parser.add_argument("--agent-model", choices=["tiny", "small"], default="tiny")
     parser.add_argument("--modes", nargs="+", choices=[m[0] for m in MODES], help="run only these (default: all)")
     parser.add_argument("--time-limit", type=float, default=900, help="seconds per run (then: the steps it did)")
@@ -239,7 +246,8 @@ def main() -> None:
     for workload in (["agent", "small"] if args.workload == "both" else [args.workload]):
         results += run_workload(workload, args, work)
     out = args.out
-    out.write_text(json.dumps({"steps": args.steps, "cores": os.cpu_count(), "results": results}, indent=1))
+    out.write_text(json.dumps({"steps": args.steps, "cores": os.cpu_count(), "engine": args.engine,
+                               "results": results}, indent=1))
     print(table(results))
     print(f"written {rel(out)}")
 
