@@ -121,7 +121,14 @@ def test_runs_equal_the_sequential_oracle_bitwise(root, k, lora):
     raw = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
     assert all(r["time/rollout_wait"] >= 0 for r in raw) and ("time/sampler_wait" in raw[-1]) == bool(k)
     names, prefixes = metric_names(load_config(grpo(root, name, k)), ["digits"])
-    assert [key for key in raw[-1] if key not in names and not key.startswith(prefixes)] == []
+    assert [key for r in raw for key in r if key not in names and not key.startswith(prefixes)] == []
+    # the mismatch and importance weights again under each step's staleness (async runs only)
+    for r in raw:
+        s = int(r["rollout/staleness_max"])
+        split = {key: v for key, v in r.items() if key.startswith("rollout/staleness_") and "/" in key[18:]}
+        assert split == ({f"rollout/staleness_{s}/{m}": r[f"rollout/{m}"] for m in
+                          ("logprob_diff_mean", "logprob_diff_max", "ratio_mean", "tis_weight_mean",
+                           "tis_capped_frac")} if k else {}), (r["step"], split)
 
 
 def test_pacing_gives_every_batch_its_exact_version_whatever_the_timing():

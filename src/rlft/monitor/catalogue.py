@@ -26,6 +26,16 @@ _ONLINE_IF = {
                          "dynamic_sampling/reward_mean_before_filter"),
     "critic": ("value/loss", "value/clip_frac", "value/mse", "value/mean", "value/returns_mean", "critic/grad_norm"),
 }
+# async runs: the mismatch and importance-weight metrics again under the batch's staleness
+STALENESS_SPLIT = ("rollout/logprob_diff_mean", "rollout/logprob_diff_max", "rollout/ratio_mean",
+                   "rollout/tis_weight_mean", "rollout/tis_capped_frac")
+
+
+def staleness_key(staleness: int, key: str) -> str:
+    """rollout/logprob_diff_mean at staleness 1 -> rollout/staleness_1/logprob_diff_mean."""
+    return f"rollout/staleness_{staleness}/{key.removeprefix('rollout/')}"
+
+
 # What a metric measures where the name alone leaves it open, or frameworks differ on it.
 METRIC_DESCRIPTIONS = {
     "policy/approx_kl": "How far the update moved the policy: KL(pi_old || pi) per token on the sampled tokens, "
@@ -33,7 +43,11 @@ METRIC_DESCRIPTIONS = {
                         "the step's updates; >= 0. veRL's ppo_kl is k1 (mean of log pi_old - log pi), which can "
                         "be negative: compare the two only when both are small.",
     "rollout/staleness_mean": "Batches the trainer had trained on since the step's completions were sampled "
-                              "(rollout.async_steps k: min(step - 1, k), exactly; 0 in a synchronous run).",
+                              "(rollout.async_steps k: min(step - 1, k), exactly; 0 in a synchronous run). An "
+                              "async run logs its engine/trainer mismatch (logprob_diff_mean|max, ratio_mean) and "
+                              "tis weights (tis_weight_mean, tis_capped_frac) again as rollout/staleness_<s>/... "
+                              "for the batch's staleness s (a batch's completions share one policy version): "
+                              "s = 0 is the engine's own mismatch, s = k adds k updates of policy drift.",
     "time/rollout_wait": "Seconds the step waited for its rollouts: sampling and scoring them in a synchronous "
                          "run, the wait on the sampler thread's queue in an async one (whose time/sampler_wait "
                          "is how long the sampler waited for the weights the batch needed).",
@@ -75,7 +89,10 @@ def metric_names(config: Any, components: list[str]) -> tuple[set[str], tuple[st
         prefixes += [f"reward/{c}/" for c in components]
         names.update(_ONLINE_IF["kl"] if config.needs_reference else ())
         names.update(_ONLINE_IF["tis"] if a.rollout_correction == "tis" else ())
-        names.update(("time/sampler_wait",) if config.rollout.async_steps else ())
+        if config.rollout.async_steps:
+            names.add("time/sampler_wait")
+            split = STALENESS_SPLIT[:3] + (STALENESS_SPLIT[3:] if a.rollout_correction == "tis" else ())
+            names.update(staleness_key(s, key) for s in range(config.rollout.async_steps + 1) for key in split)
         names.update(_ONLINE_IF["dynamic_sampling"] if a.dynamic_sampling else ())
         names.update(_ONLINE_IF["critic"] if a.advantage == "gae" else ())
         if has_eval:

@@ -29,6 +29,7 @@ from rlft.errors import ConfigError, EnvironmentFailed, RankStopped, RewardError
 from rlft.eval.generation import evaluate_prompts
 from rlft.eval.suites import prepare_suites
 from rlft.models.loading import Reference, disable_dropout, load_policy, resolve_device
+from rlft.monitor.catalogue import STALENESS_SPLIT, staleness_key
 from rlft.monitor.checks import infra_error_message
 from rlft.rewards.calls import ScoringInterrupted
 from rlft.monitor.stats import world_sums
@@ -327,12 +328,27 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
     if critic is not None:
         update.update(critic.update(session, batch, generator, policy_trained=train_policy))
     metrics.update(update)
+    if s.split_staleness:
+        metrics.update(by_staleness(metrics))
     metrics["nonfinite_skipped"] = float(session.nonfinite_total)
     if "kl" in metrics:  # measured on every sequence of the global batch
         kl_ctl.update(metrics["kl"], global_sequences if global_sequences is not None
                       else int(world.sum([batch.completion_mask.shape[0]])[0]))
     metrics["time/train"] = time.perf_counter() - start
     return metrics
+
+
+def by_staleness(metrics: dict[str, float]) -> dict[str, float]:
+    """The step's mismatch and importance-weight metrics under its batch's staleness s
+    (`rollout/staleness_<s>/...`): pacing by version gives every completion of a batch one version,
+    so the batch's numbers are those of staleness s. (A rollout made outside the run's rollout
+    source, as a test's oracle makes them, has no staleness measured: nothing to split.)"""
+    if "rollout/staleness_max" not in metrics:
+        return {}
+    s = metrics["rollout/staleness_max"]
+    if s != metrics["rollout/staleness_mean"]:
+        raise AssertionError(f"a batch with mixed staleness (mean {metrics['rollout/staleness_mean']}, max {s})")
+    return {staleness_key(int(s), key): metrics[key] for key in STALENESS_SPLIT if key in metrics}
 
 
 def _distillation_advantages(session: TrainingSession, teacher: Teacher, batch: RolloutBatch,

@@ -57,6 +57,7 @@ class UpdateSettings:
     tis_cap: float = 2.0
     packing: bool = False  # padding-free policy/reference forwards (same numbers as padded)
     shared_prefix: str = "off"  # 'auto' | 'on' | 'off': a group's prompt computed once (same numbers)
+    split_staleness: bool = False  # rollout.async_steps > 0: mismatch metrics again per staleness
 
     @classmethod
     def from_config(cls, config: Config) -> "UpdateSettings":
@@ -68,7 +69,8 @@ class UpdateSettings:
                    entropy_coef=a.entropy_coef, loss_agg=a.loss_agg, loss_constant=a.loss_constant,
                    epochs=a.epochs, minibatches=a.minibatches, micro_batch_size=a.micro_batch_size,
                    mask_truncated=a.mask_truncated, rollout_correction=a.rollout_correction, tis_cap=a.tis_cap,
-                   packing=config.training.packing, shared_prefix=config.training.shared_prefix)
+                   packing=config.training.packing, shared_prefix=config.training.shared_prefix,
+                   split_staleness=config.rollout.async_steps > 0)
 
     @property
     def single_pass(self) -> bool:
