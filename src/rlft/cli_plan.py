@@ -27,20 +27,16 @@ def plan_precision(config: Config, local_device: Any = None) -> str:
 
 def _sampler_elsewhere(config: Config) -> bool:
     """rollout.sampler_device names another device than model.device (what the sampler holds is
-    then planned apart from the trainer's device)."""
+    then planned apart from the trainer's device). 'cuda' is cuda:0: a sampler device is one
+    process's, where rlft leaves the current GPU at 0."""
     import torch
 
-    from rlft.models.loading import same_device
-
     named, trainer = config.rollout.sampler_device, config.model.device
-    if named == "auto" or named == trainer:
+    if named == "auto":
         return False
     if trainer == "auto":  # the plan's device: CUDA when one is visible
         trainer = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        return not same_device(torch.device(named), torch.device(trainer))
-    except (RuntimeError, AssertionError):  # no CUDA here to number the current GPU: a plan made elsewhere
-        return named != trainer
+    return {"cuda": "cuda:0"}.get(named, named) != {"cuda": "cuda:0"}.get(trainer, trainer)
 
 
 def plan_input_from_config(config: Config, world_size: int = 1, local_device: Any = None, lengths: Any = None) -> Any:

@@ -37,13 +37,6 @@ def resolve_device(name: str, field: str = "model.device") -> torch.device:
     return device
 
 
-def same_device(a: torch.device, b: torch.device) -> bool:
-    """Whether two devices are one ('cuda' is the current GPU, cuda:0 unless set otherwise)."""
-    def index(d: torch.device) -> int | None:
-        return (d.index if d.index is not None else torch.cuda.current_device()) if d.type == "cuda" else None
-    return a.type == b.type and index(a) == index(b)
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """model.dtype for loading a model outside training (training resolves it with the
     precision, see models/precision.py); 'auto' is fp32."""

@@ -31,7 +31,7 @@ import torch
 from rlft.config import VllmSettings
 from rlft.errors import ConfigError, RlftError
 from rlft.rollout.contract import Completion, SamplingParams
-from rlft.rollout.seeds import call_number, check_engine_state, named_stream_seed, request_seeds, stream_seed
+from rlft.rollout.seeds import call_number, check_engine_state, request_seeds
 from rlft.rollout.vllm_weights import (StalenessTracker, base_model_of, full_state, lora_rank, merged_lora_state,
                                        watched_tensors)
 
@@ -184,6 +184,12 @@ class VLLMEngine:
             self.llm.llm_engine.remove_lora(old.lora_int_id)
             shutil.rmtree(old.lora_path, ignore_errors=True)
 
+    def _sleep_if_set(self) -> None:
+        """rollout.vllm.sleep: free the KV cache and offload the weights until the next sample."""
+        if self.settings.sleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
     def _wake(self) -> None:
         if self._asleep:
             self.llm.wake_up()
@@ -209,9 +215,7 @@ class VLLMEngine:
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
                                     [self._vllm_params(params, seed, cap) for seed, cap in zip(seeds, caps)],
                                     lora_request=self._lora_request, use_tqdm=False)
-        if self.settings.sleep:
-            self.llm.sleep(level=1)
-            self._asleep = True
+        self._sleep_if_set()
         copies = params.n if params.temperature == 0 else 1  # greedy: one sample, repeated (vLLM refuses n > 1)
         out = []
         for i, (prompt, result) in enumerate(zip(prompts, outputs)):
@@ -328,9 +332,9 @@ class VllmContinuousBatch:
         for r in requests:
             later = r.name is not None
             if later:
-                seed = named_stream_seed(e._seed, e._stream, self.call, r.name, 0)
+                seed = request_seeds(e._seed, e._stream, self.call, 1, 1, streams=[r.name])[0]
             else:  # the prompt's request seed, as generate's; vLLM's child k samples with seed + k
-                seed = stream_seed(e._seed, e._stream, self.call, r.index // p.n) + r.index % p.n
+                seed = request_seeds(e._seed, e._stream, self.call, 1, 1, r.index // p.n)[0] + r.index % p.n
             cap = e._token_caps([r.ids], replace(p, max_new_tokens=r.max_new_tokens), later_turn=later)[0]
             settings = e._vllm_params(replace(p, n=1), seed, cap)
             settings.output_kind = RequestOutputKind.FINAL_ONLY  # only ended turns come back from step()
@@ -352,7 +356,6 @@ class VllmContinuousBatch:
                     r = self.pending.pop(out.request_id)
                     finished.append((r.key, self.engine._completion(r.prompt_index, list(r.ids), out.outputs[0],
                                                                     self.params)))
-        if not self.pending and self.engine.settings.sleep:
-            self.engine.llm.sleep(level=1)
-            self.engine._asleep = True
+        if not self.pending:
+            self.engine._sleep_if_set()
         return finished, bool(self.pending)
