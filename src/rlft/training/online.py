@@ -42,6 +42,7 @@ from rlft.rollout.hf import HFEngine
 from rlft.rollout.sampler_process import ProcessEngine, use_process
 from rlft.training.collect import Rollout
 from rlft.training.critic import Critic, build_critic
+from rlft.training.host_memory import release_free_heap
 from rlft.training.rl_update import UpdateSettings, policy_update, reference_logprobs, token_rewards
 from rlft.training.distill import Teacher, load_teacher
 from rlft.training.distributed import SINGLE, World, gather_rows, shard
@@ -217,10 +218,12 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
                 break
             except (RewardError, EnvironmentFailed, SamplerFailed, RankStopped) as exc:
                 _halt(session, rollouts, str(exc))
+            release_free_heap(session.policy.device)  # the freed sampling buffers (CPU: see host_memory)
             rollout.metrics.update(world_sums(world, _scoring_report(session, rollout.scoring_report)))
             _check_infra(session, rollout, config.scoring.max_infra_error_rate, rollouts)
             metrics = online_step(session, rollout, reference, o.kl_ctl, o.settings, o.update_gen, critic, o.sft_mix,
                                   teacher)
+            release_free_heap(session.policy.device)  # the update's freed activations
             session.sync_mirror()  # a distributed run's whole copy, which the engine samples from
             rollouts.trained()  # the engine (or the sampler thread) takes the new weights
             if metrics is None:  # every update was skipped (non-finite): draw a new batch
