@@ -59,7 +59,7 @@ def test_a_generous_limit_changes_nothing(qwen_path, data, tmp_path):
 
 def test_the_cheapest_saver_that_fits_is_chosen(qwen_path, data, tmp_path):
     # 68.0 MiB does not fit in 36.9; micro-batches of 16 rows (44.5) do not either; of the sets that
-    # fit, micro-batches of 8 (31.0 MiB, +15% step time) cost less than checkpointing (33.6, +33%)
+    # fit, micro-batches of 8 (31.0 MiB, 280 tokens each: +3% step time) cost less than checkpointing (33.6, +33%)
     fit = _fit(_config(qwen_path, data, tmp_path / "run", 0.04))
     assert fit.changes == {"algorithm.micro_batch_size": 8}
     assert fit.config.algorithm.micro_batch_size == 8 and not fit.config.model.gradient_checkpointing
@@ -98,3 +98,35 @@ def test_nothing_fits_is_one_error_before_the_run_starts(qwen_path, data, tmp_pa
     assert not out.exists()
     with pytest.raises(RlftError, match=r"still 18\.1 MiB with the memory savers"):
         train(_config(qwen_path, data, out, 0.005))
+
+
+def test_micro_batches_that_keep_the_matmuls_busy_cost_less_than_thin_ones(qwen_path, data, tmp_path):
+    # measured (memory_fit.py): an extra pass over the weights costs ~1% of the step while a
+    # micro-batch holds >= BUSY_TOKENS tokens; thinner micro-batches are priced at 5% per pass
+    from dataclasses import replace
+
+    from rlft.cli_plan import plan_input_from_config
+    from rlft.memory_fit import BUSY_TOKENS, COST_MICRO, COST_THIN_MICRO, _options
+    from rlft.plan_lengths import data_lengths
+
+    def costs(max_new_tokens):
+        config = load_config(_config(qwen_path, data, tmp_path / "run", 0.04,
+                                     rollout={"max_new_tokens": max_new_tokens}))
+        base = plan_input_from_config(config, 1, __import__("torch").device("cpu"), lengths=data_lengths(config))
+        by_micro = {o.changes.get("algorithm.micro_batch_size"): o.cost for o in _options(config, base)
+                    if "model.gradient_checkpointing" not in o.changes and "rollout.batch_size" not in o.changes}
+        return base.seq_len, by_micro
+
+    seq_len, by_micro = costs(16)  # the runs above: rows of 35 tokens
+    assert 8 * seq_len >= BUSY_TOKENS > 4 * seq_len
+    assert by_micro[None] == 0 and by_micro[16] == pytest.approx(COST_MICRO)
+    assert by_micro[8] == pytest.approx(3 * COST_MICRO) and by_micro[4] == pytest.approx(7 * COST_THIN_MICRO)
+    seq_len, by_micro = costs(128)  # longer rows: 2 of them keep the matmuls busy
+    assert 2 * seq_len >= BUSY_TOKENS > seq_len
+    assert by_micro[2] == pytest.approx(15 * COST_MICRO) and by_micro[1] == pytest.approx(31 * COST_THIN_MICRO)
+    config = load_config(_config(qwen_path, data, tmp_path / "run", 0.04))
+    gpu = replace(plan_input_from_config(config, 1, __import__("torch").device("cpu"), lengths=data_lengths(config)),
+                  device_type="cuda")  # not measured on a GPU: every extra pass at the old price
+    assert {o.changes.get("algorithm.micro_batch_size"): o.cost for o in _options(config, gpu)
+            if len(o.changes) <= 1 and "model.gradient_checkpointing" not in o.changes
+            and "rollout.batch_size" not in o.changes}[8] == pytest.approx(3 * COST_THIN_MICRO)

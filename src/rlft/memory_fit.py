@@ -9,8 +9,13 @@ fragmentation, as `plan.Verdict`).
 The savers, each used only where the config leaves it at its default (a value written in the
 config, even the default one, is never changed), with a rough cost in extra step time:
 - micro-batching the update (`algorithm.micro_batch_size` online, `training.micro_batch_size`
-  offline), halved down to 1: the same loss and gradient (global normalisers); smaller matmuls
-  and one more pass over the weights per micro-batch: +5% per extra micro-batch;
+  offline), halved down to 1: the same loss and gradient (global normalisers); one more pass over
+  the weights per micro-batch, which costs little while a micro-batch still holds enough tokens to
+  keep the matmuls busy. On CPU: +1% per extra micro-batch of at least `BUSY_TOKENS` tokens,
+  measured (benchmarks/README.md, the memory fit): the ~28M model's GRPO step of 32 rows x 146
+  tokens, 10.9 s in one micro-batch under bf16-mixed, took +0.3 s in micro-batches of 8, +0.5 s in
+  4 and +1.4 s in 2 (292 tokens each); thinner ones, not measured, and every extra micro-batch on
+  a GPU (which needs far more tokens to be busy; not measured yet): +5%;
 - activation checkpointing (`model.gradient_checkpointing`): each layer's forward runs twice: +33%;
 - sampling in smaller batches (`rollout.batch_size`, hf engine), halved: decoding is bound by
   reading the weights, so each extra batch costs about another decode pass: +50% each.
@@ -38,7 +43,8 @@ GiB = 2**30
 # CPU computes in bf16.
 VIRTUAL_RESERVE = 3 * GiB // 2
 VIRTUAL_RESERVE_BF16 = 5 * GiB // 2
-COST_MICRO, COST_CHECKPOINT, COST_ROLLOUT_SPLIT = 0.05, 0.33, 0.5
+COST_MICRO, COST_THIN_MICRO, COST_CHECKPOINT, COST_ROLLOUT_SPLIT = 0.01, 0.05, 0.33, 0.5
+BUSY_TOKENS = 256  # tokens per micro-batch from which one more pass over the weights is cheap (CPU)
 
 
 @dataclass(frozen=True)
@@ -161,7 +167,9 @@ def _options(config: Config, base: Any) -> list[_Option]:
             cost += COST_CHECKPOINT
         if micro != base.micro_batch_size:
             changes[micro_key] = micro
-            cost += COST_MICRO * (-(-rows // micro) - -(-rows // base.micro_batch_size))
+            busy = base.device_type == "cpu" and micro * base.seq_len >= BUSY_TOKENS
+            per_pass = COST_MICRO if busy else COST_THIN_MICRO
+            cost += per_pass * (-(-rows // micro) - -(-rows // base.micro_batch_size))
         if gen != base.rollout_batch_size:
             changes["rollout.batch_size"] = gen
             cost += COST_ROLLOUT_SPLIT * (-(-gen_rows // gen) - 1)
