@@ -281,9 +281,13 @@ def run_workload(i: int, name: str, models: dict, shapes: dict, args, work: Path
         if s["ok"]:
             note = " (stopped by the time limit)" if s["partial"] else ""
             print(f"[{name}] {fw}: {s['s_per_step']:.3f} s/step, peak RSS {runs[fw]['peak_rss_mb']:.0f} MB, "
-                  f"wall {runs[fw]['wall_s']:.0f} s, load {runs[fw]['loadavg_1min']['mean']:.1f}{note}", flush=True)
+                  f"wall {runs[fw]['wall_s']:.0f} s, load {runs[fw]['loadavg_1min']['mean']:.1f}{note}"
+                  + (f", cgroup peak {runs[fw]['cgroup_peak_mb']:.0f} MB" if runs[fw].get("cgroup_peak_mb") else ""),
+                  flush=True)
         else:
-            print(f"[{name}] {fw} FAILED (exit {runs[fw]['rc']}, {s['steps_done']} steps), log {runs[fw]['log']}:\n"
+            print(f"[{name}] {fw} FAILED (exit {runs[fw]['rc']}, {s['steps_done']} steps"
+                  + (", OOM-killed by the cgroup limit" if runs[fw].get("oom_kills") else "")
+                  + f"), log {runs[fw]['log']}:\n"
                   f"{tail(runs[fw]['log'])}", flush=True)
     entry = {"name": name, "model": wl["model"], "params": shapes[wl["model"]]["total_params"],
              "vocab": shapes[wl["model"]]["vocab"], "lora": wl["lora"], "defaults": bool(wl.get("defaults")),
@@ -301,7 +305,7 @@ def run_workload(i: int, name: str, models: dict, shapes: dict, args, work: Path
         for key in ("torch_threads", "trainable_params", "optim", "eos_token_ids", "train_wall_s", "loss_type",
                     "beta", "activation_checkpointing", "gradient_checkpointing", "bf16", "defaults",
                     "per_device_train_batch_size", "generation_batch_size", "steps_per_generation",
-                    "prompt_token_lengths"):
+                    "prompt_token_lengths", "cgroup_limit_gb", "cgroup_peak_mb", "oom_kills"):
             if key in runs[fw]:
                 entry[fw][key] = runs[fw][key]
     ok = entry["rlft"]["ok"] and entry["trl"]["ok"]
@@ -391,6 +395,9 @@ def main() -> int:
                     help="seconds before a run is stopped (its finished steps are still reported)")
     ap.add_argument("--memory-limit-gb", type=float, default=None,
                     help="address-space cap per run (a run that needs more fails instead of swapping or OOM-killing)")
+    ap.add_argument("--cgroup-limit-gb", type=float, default=None,
+                    help="run each framework in a memory cgroup of this size (GiB; needs write access to the cgroup "
+                         "fs): the limit a container's --memory sets; over it the kernel's OOM killer stops the run")
     ap.add_argument("--scaling", action="store_true", help="also the rlft G x length scaling table (scaling.py)")
     ap.add_argument("--scaling-model", default="tiny", choices=["tiny", "small"])
     ap.add_argument("--rlft-set", action="append", metavar="KEY=VALUE",
@@ -438,7 +445,8 @@ def main() -> int:
             "group_size": GROUP_SIZE, "prompts_per_step": PROMPTS_PER_STEP, "temperature": TEMPERATURE,
             "kl_coef": KL_COEF, "learning_rate": LEARNING_RATE, "lr_scheduler": "cosine, no warmup", "seed": SEED,
             "steps": args.steps, "threads": args.threads, "lora": LORA, "quick": args.quick,
-            "time_limit_s": args.time_limit, "memory_limit_gb": args.memory_limit_gb, "rlft_set": args.rlft_set,
+            "time_limit_s": args.time_limit, "memory_limit_gb": args.memory_limit_gb,
+            "cgroup_limit_gb": args.cgroup_limit_gb, "rlft_set": args.rlft_set,
             "rlft_before": args.rlft_before,
             "cpu_capability": cpu_capability(),
             "step_time": "rollout + reward + reference + update + optimizer step "

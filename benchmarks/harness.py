@@ -35,20 +35,60 @@ def child_env(threads: int) -> dict[str, str]:
     return env
 
 
+class MemoryCgroup:
+    """A memory cgroup of our own under this process's one (v1 or v2; needs write access to the
+    cgroup fs, e.g. root in a container): the limit a container's `--memory` sets, on resident
+    memory and page cache, enforced by the kernel's OOM killer (SIGKILL). `peak_mb()`: the most it
+    held; `oom_kills()`: how many processes the limit killed."""
+
+    def __init__(self, limit_gb: float, name: str):
+        line = next(ln for ln in open("/proc/self/cgroup").read().splitlines()
+                    if ln.split(":")[1] == "" or "memory" in ln.split(":")[1].split(","))
+        self.v2 = line.split(":")[1] == ""
+        base = Path("/sys/fs/cgroup") if self.v2 else Path("/sys/fs/cgroup/memory")
+        self.path = base / line.split(":", 2)[2].lstrip("/") / f"bench-{name}-{os.getpid()}"
+        self.path.mkdir()
+        limit = str(int(limit_gb * 2**30))
+        (self.path / ("memory.max" if self.v2 else "memory.limit_in_bytes")).write_text(limit)
+        if self.v2:
+            (self.path / "memory.swap.max").write_text("0")
+
+    def enter(self) -> None:  # in the child, before exec
+        (self.path / "cgroup.procs").write_text("0")
+
+    def peak_mb(self) -> float | None:
+        f = self.path / ("memory.peak" if self.v2 else "memory.max_usage_in_bytes")
+        return int(f.read_text()) / 2**20 if f.is_file() else None
+
+    def oom_kills(self) -> int:
+        f = self.path / ("memory.events" if self.v2 else "memory.oom_control")
+        return next((int(ln.split()[1]) for ln in f.read_text().splitlines() if ln.startswith("oom_kill ")), 0)
+
+    def remove(self) -> None:
+        try:
+            self.path.rmdir()
+        except OSError:
+            pass
+
+
 def run_child(cmd: list[str], log: Path, threads: int, time_limit: float | None = None,
-              memory_limit_gb: float | None = None) -> dict:
+              memory_limit_gb: float | None = None, cgroup_limit_gb: float | None = None) -> dict:
     """Run `cmd` from the repo root; return its exit code, wall time and peak RSS (this child only).
     Past `time_limit` seconds its process group is stopped (SIGTERM, then SIGKILL) and
     `time_limited` is set: what it logged so far is still read by the caller. `memory_limit_gb`
     caps the child's address space (RLIMIT_AS), so a run that needs more fails with an allocation
-    error instead of pushing a shared machine into its OOM killer."""
+    error instead of pushing a shared machine into its OOM killer. `cgroup_limit_gb` runs it in a
+    memory cgroup of that size (MemoryCgroup): the way a container limits memory."""
     log.parent.mkdir(parents=True, exist_ok=True)
     limited = False
+    cgroup = MemoryCgroup(cgroup_limit_gb, log.stem) if cgroup_limit_gb else None
 
     def limit_memory() -> None:
         if memory_limit_gb:
             cap = int(memory_limit_gb * 2**30)
             resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+        if cgroup is not None:
+            cgroup.enter()
 
     loads = [os.getloadavg()[0]]  # the 1-minute load average at the start, then every 30 s
     with open(log, "w") as fh:
@@ -75,9 +115,13 @@ def run_child(cmd: list[str], log: Path, threads: int, time_limit: float | None 
         wall = time.perf_counter() - start
     rc = os.waitstatus_to_exitcode(status)
     loads.append(os.getloadavg()[0])
-    return {"rc": rc, "wall_s": wall, "peak_rss_mb": usage.ru_maxrss / 1024, "log": rel(log),
-            "time_limited": limited, "loadavg_1min": {"start": loads[0], "end": loads[-1], "min": min(loads),
-                                                      "max": max(loads), "mean": statistics.mean(loads)}}
+    res = {"rc": rc, "wall_s": wall, "peak_rss_mb": usage.ru_maxrss / 1024, "log": rel(log),
+           "time_limited": limited, "loadavg_1min": {"start": loads[0], "end": loads[-1], "min": min(loads),
+                                                     "max": max(loads), "mean": statistics.mean(loads)}}
+    if cgroup is not None:
+        res.update(cgroup_limit_gb=cgroup_limit_gb, cgroup_peak_mb=cgroup.peak_mb(), oom_kills=cgroup.oom_kills())
+        cgroup.remove()
+    return res
 
 
 def rel(path: Path) -> str:
@@ -253,7 +297,7 @@ def run_rlft(name: str, wl: dict, model_dir: Path, args, work: Path, steps: int,
     cfg_path.write_text(yaml.safe_dump(config, sort_keys=False))
     command = [sys.executable, rel(HERE / "rlft_before.py")] if before else rlft_command()
     res = run_child([*command, "train", rel(cfg_path)], work / "logs" / f"{name}-{tag}.log", args.threads,
-                    args.time_limit, getattr(args, "memory_limit_gb", None))
+                    args.time_limit, getattr(args, "memory_limit_gb", None), getattr(args, "cgroup_limit_gb", None))
     res["config"] = rel(cfg_path)
     res["precision"] = training.get("precision", "fp32 (no training.precision field)")
     metrics = out_dir / "metrics.jsonl"
@@ -286,7 +330,7 @@ def run_trl(name: str, wl: dict, model_dir: Path, args, work: Path, steps: int) 
     steps_log.unlink(missing_ok=True)
     res = run_child([sys.executable, rel(HERE / "trl_worker.py"), rel(spec_path)],
                     work / "logs" / f"{name}-trl.log", args.threads, args.time_limit,
-                    getattr(args, "memory_limit_gb", None))
+                    getattr(args, "memory_limit_gb", None), getattr(args, "cgroup_limit_gb", None))
     res["config"] = rel(spec_path)
     res["precision"] = "TRL defaults (bf16=True, gradient_checkpointing=True)" if wl.get("defaults") else "fp32"
     if res["rc"] == 0 and result_path.is_file():

@@ -1,4 +1,6 @@
-"""The memory fit under an address-space limit: the same GRPO run, twice, under one RLIMIT_AS cap.
+"""The memory fit under a memory limit: the same GRPO run, twice, under one RLIMIT_AS cap or in one
+memory cgroup (`--cgroup-limit-gb`: a container's limit on resident memory; needs write access to
+the cgroup fs).
 
 1. `fast path`: `training.memory_limit_gb: 1000` tells the planner the run has 1000 GiB, so it keeps
    the fast path, as rlft did before the memory fit (one forward/backward over all 32 sequences,
@@ -7,9 +9,10 @@
    makes the plan fit.
 
     PYTHONPATH=src python benchmarks/memory_fit_demo.py --memory-limit-gb 3.5 [--size small] [--new-tokens 128]
+    PYTHONPATH=src python benchmarks/memory_fit_demo.py --cgroup-limit-gb 2.25 --precision auto --steps 4
 
 The workload is the bench's large-full one (~28M model, 4 prompts x G 8, up to 128 new tokens,
-fp32 so it behaves alike on every CPU), 2 steps. Printed per run: exit code, wall time, peak RSS,
+fp32 by default so it behaves alike on every CPU; `--precision auto` for rlft's default), 2 steps. Printed per run: exit code, wall time, peak RSS,
 the process's peak address space (VmPeak) and the memory-fit line rlft printed.
 """
 
@@ -39,8 +42,9 @@ WRAPPER = ("import atexit, runpy, sys\n"
            "runpy.run_module('rlft', run_name='__main__')\n")
 
 
-def config(name: str, model: Path, work: Path, new_tokens: int, steps: int, limit: float | None) -> Path:
-    training = {"learning_rate": LEARNING_RATE, "max_steps": steps, "num_threads": 1, "precision": "fp32"}
+def config(name: str, model: Path, work: Path, new_tokens: int, steps: int, limit: float | None,
+           precision: str = "fp32") -> Path:
+    training = {"learning_rate": LEARNING_RATE, "max_steps": steps, "num_threads": 1, "precision": precision}
     if limit is not None:
         training["memory_limit_gb"] = limit
     cfg = {"method": "grpo", "output_dir": rel(work / "runs" / name), "seed": SEED,
@@ -55,12 +59,12 @@ def config(name: str, model: Path, work: Path, new_tokens: int, steps: int, limi
     return path
 
 
-def run(name: str, cfg: Path, work: Path, memory_limit_gb: float) -> dict:
+def run(name: str, cfg: Path, work: Path, memory_limit_gb: float | None, cgroup_limit_gb: float | None) -> dict:
     import shutil
 
     shutil.rmtree(work / "runs" / name, ignore_errors=True)
     res = run_child([sys.executable, "-c", WRAPPER, rel(cfg)], work / "logs" / f"{name}.log", 1,
-                    memory_limit_gb=memory_limit_gb)
+                    memory_limit_gb=memory_limit_gb, cgroup_limit_gb=cgroup_limit_gb)
     log = (Path(__file__).resolve().parent.parent / res["log"]).read_text(errors="replace")
     flat = " ".join(log.split())
     for line in log.splitlines():
@@ -78,7 +82,10 @@ def run(name: str, cfg: Path, work: Path, memory_limit_gb: float) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--memory-limit-gb", type=float, required=True, help="RLIMIT_AS of each run (GiB)")
+    limit = ap.add_mutually_exclusive_group(required=True)
+    limit.add_argument("--memory-limit-gb", type=float, help="RLIMIT_AS of each run (GiB)")
+    limit.add_argument("--cgroup-limit-gb", type=float, help="a memory cgroup of this size for each run (GiB)")
+    ap.add_argument("--precision", default="fp32", help="training.precision of both runs (default fp32)")
     ap.add_argument("--size", default="small", choices=["tiny", "small"])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--steps", type=int, default=2)
@@ -91,11 +98,13 @@ def main(argv: list[str] | None = None) -> None:
     for name, limit in runs.items():
         if args.only and name != args.only:
             continue
-        cfg = config(f"memfit-{name}", model, args.work, args.new_tokens, args.steps, limit)
-        res = run(f"memfit-{name}", cfg, args.work, args.memory_limit_gb)
-        print(f"{name:<5} RLIMIT_AS {args.memory_limit_gb:g} GiB: rc {res['rc']}, {res['status']}, "
-              f"{res['wall_s']:.0f} s, peak RSS {res['peak_rss_mb']:.0f} MB, VmPeak {res.get('vmpeak_mb', '?')} MB",
-              flush=True)
+        cfg = config(f"memfit-{name}", model, args.work, args.new_tokens, args.steps, limit, args.precision)
+        res = run(f"memfit-{name}", cfg, args.work, args.memory_limit_gb, args.cgroup_limit_gb)
+        cap = (f"RLIMIT_AS {args.memory_limit_gb:g} GiB" if args.memory_limit_gb else
+               f"cgroup {args.cgroup_limit_gb:g} GiB (peak {res['cgroup_peak_mb']:.0f} MB, "
+               f"{res['oom_kills']} OOM kill(s))")
+        print(f"{name:<5} {cap}: rc {res['rc']}, {res['status']}, {res['wall_s']:.0f} s, "
+              f"peak RSS {res['peak_rss_mb']:.0f} MB, VmPeak {res.get('vmpeak_mb', '?')} MB", flush=True)
         if res["fit"]:
             print(f"      {res['fit']}")
         if res.get("error_tail"):

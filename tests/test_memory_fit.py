@@ -130,3 +130,64 @@ def test_micro_batches_that_keep_the_matmuls_busy_cost_less_than_thin_ones(qwen_
     assert {o.changes.get("algorithm.micro_batch_size"): o.cost for o in _options(config, gpu)
             if len(o.changes) <= 1 and "model.gradient_checkpointing" not in o.changes
             and "rollout.batch_size" not in o.changes}[8] == pytest.approx(3 * COST_THIN_MICRO)
+
+
+def _fake_cgroups(root, proc_lines, files):
+    (root / "proc").mkdir(parents=True)
+    (root / "proc" / "cgroup").write_text("\n".join(proc_lines) + "\n")
+    for rel, text in files.items():
+        path = root / "fs" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return str(root / "proc" / "cgroup"), str(root / "fs")
+
+
+def test_a_cgroup_v2_limit_is_read_up_the_hierarchy(tmp_path):
+    from rlft.memory_fit import cgroup_memory_left
+
+    gib = 2**30
+    proc, fs = _fake_cgroups(tmp_path, ["0::/pod/box"], {
+        "pod/box/memory.max": "max\n", "pod/box/memory.current": f"{gib}\n",
+        "pod/memory.max": f"{3 * gib}\n", "pod/memory.current": f"{2 * gib}\n",
+        "pod/memory.stat": f"anon 1\ninactive_file {gib // 2}\nactive_file 7\n"})
+    # the box has no limit of its own; its parent allows 3 GiB and holds 2, half a GiB of it cache
+    assert cgroup_memory_left(proc, fs) == 3 * gib // 2
+    proc, fs = _fake_cgroups(tmp_path / "none", ["0::/"], {"memory.current": "5\n"})
+    assert cgroup_memory_left(proc, fs) is None  # the root cgroup has no memory.max
+
+
+def test_a_cgroup_v1_limit_and_no_limit(tmp_path):
+    from rlft.memory_fit import cgroup_memory_left
+
+    gib = 2**30
+    proc, fs = _fake_cgroups(tmp_path, ["5:cpu,cpuacct:/x", "4:memory:/job/run", "0::/"], {
+        "memory/job/run/memory.limit_in_bytes": f"{9223372036854771712}\n",
+        "memory/job/run/memory.usage_in_bytes": f"{gib}\n",
+        "memory/job/run/memory.stat": f"cache 3\nhierarchical_memory_limit {4 * gib}\ntotal_inactive_file {gib}\n"})
+    assert cgroup_memory_left(proc, fs) == 4 * gib  # 4 GiB over the hierarchy, 1 used, 1 of it cache
+    proc, fs = _fake_cgroups(tmp_path / "free", ["4:memory:/"], {
+        "memory/memory.limit_in_bytes": "9223372036854771712\n", "memory/memory.usage_in_bytes": "100\n",
+        "memory/memory.stat": "hierarchical_memory_limit 9223372036854771712\n"})
+    assert cgroup_memory_left(proc, fs) is None
+    assert cgroup_memory_left(str(tmp_path / "missing"), fs) is None
+
+
+def test_the_least_of_ram_cgroup_and_address_space_is_the_budget(qwen_path, data, tmp_path, monkeypatch):
+    import rlft.memory_fit as mf
+
+    gib = 2**30
+    config = load_config(_config(qwen_path, data, tmp_path / "run", None))  # fp32: 0.75 GiB kept for the runtime
+    cpu = __import__("torch").device("cpu")
+    monkeypatch.setattr(mf, "_meminfo_available", lambda: 20 * gib)
+    monkeypatch.setattr(mf, "cgroup_memory_left", lambda: 4 * gib)
+    monkeypatch.setattr(mf, "address_space_left", lambda reserve: None)
+    budget = mf.run_budget(config, cpu)
+    assert budget.capacity == 4 * gib - mf.RSS_RESERVE and "memory cgroup" in budget.label
+    assert mf.run_budget(config, cpu, local_ranks=2).capacity == (4 * gib - mf.RSS_RESERVE) // 2
+    monkeypatch.setattr(mf, "address_space_left", lambda reserve: gib)  # each rank has its own, not split
+    budget = mf.run_budget(config, cpu, local_ranks=2)
+    assert budget.capacity == gib and "RLIMIT_AS" in budget.label
+    monkeypatch.setattr(mf, "cgroup_memory_left", lambda: None)
+    monkeypatch.setattr(mf, "address_space_left", lambda reserve: None)
+    budget = mf.run_budget(config, cpu)
+    assert budget.capacity == 20 * gib - mf.RSS_RESERVE and "available RAM" in budget.label

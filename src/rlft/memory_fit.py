@@ -2,9 +2,11 @@
 when the plan does not fit, turns on the cheapest set of memory savers that makes it fit.
 
 The budget (`run_budget`): `training.memory_limit_gb` when set; else a CUDA GPU's memory (less the
-CUDA context); else the host's available RAM, capped by what is left of an address-space limit
-(RLIMIT_AS, `ulimit -v`) less `VIRTUAL_RESERVE`. The plan must fit in 90% of it (the allocator's
-fragmentation, as `plan.Verdict`).
+CUDA context); else on CPU the least of: the host's available RAM and what the process's memory
+cgroup still allows (a container's `--memory`, a Kubernetes limit, a systemd slice), each less
+`RSS_RESERVE`, and what is left of an address-space limit (RLIMIT_AS, `ulimit -v`) less
+`VIRTUAL_RESERVE`. The plan must fit in 90% of it (the allocator's fragmentation, as
+`plan.Verdict`).
 
 The savers, each used only where the config leaves it at its default (a value written in the
 config, even the default one, is never changed), with a rough cost in extra step time:
@@ -43,6 +45,13 @@ GiB = 2**30
 # CPU computes in bf16.
 VIRTUAL_RESERVE = 3 * GiB // 2
 VIRTUAL_RESERVE_BF16 = 5 * GiB // 2
+# Resident memory the plan's live tensors do not count: the runtime's growth after the check (the
+# weights' loaders, oneDNN), the allocator's free-but-resident pages. Measured on the ~28M GRPO run
+# (benchmarks/README.md, the memory fit), peak RSS less the RSS at the check less the plan: fp32
+# 0.31-0.65 GB, bf16-mixed 0.92-1.22 GB (the most with the whole batch in one micro-batch).
+RSS_RESERVE = 3 * GiB // 4
+RSS_RESERVE_BF16 = 5 * GiB // 4
+_UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as a number near 2**63
 COST_MICRO, COST_THIN_MICRO, COST_CHECKPOINT, COST_ROLLOUT_SPLIT = 0.01, 0.05, 0.33, 0.5
 BUSY_TOKENS = 256  # tokens per micro-batch from which one more pass over the weights is cheap (CPU)
 
@@ -84,6 +93,53 @@ def _virtual_size() -> int:
     return _proc_bytes("/proc/self/status", "VmSize") or 0
 
 
+def _read_int(path: str) -> int | None:
+    try:
+        text = open(path).read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # cgroup v2 writes "max" for no limit
+
+
+def _stat_value(path: str, key: str) -> int:
+    try:
+        for line in open(path):
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def cgroup_memory_left(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes this process's memory cgroup (and its ancestors) still allow it to take: the limit
+    less the usage, the inactive page cache counted as free (the kernel reclaims it first); None
+    where no cgroup limits memory. cgroup v2 (`memory.max`, `memory.current`) and v1
+    (`memory.limit_in_bytes`, `memory.usage_in_bytes`)."""
+    try:
+        lines = open(proc_cgroup).read().splitlines()
+    except OSError:
+        return None
+    lefts = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: every ancestor's memory.max binds
+            parts = [p for p in path.split("/") if p]
+            for depth in range(len(parts), -1, -1):
+                d = "/".join([root, *parts[:depth]])
+                limit, usage = _read_int(f"{d}/memory.max"), _read_int(f"{d}/memory.current")
+                if limit is not None and usage is not None:
+                    lefts.append(limit - usage + _stat_value(f"{d}/memory.stat", "inactive_file"))
+        elif "memory" in controllers.split(","):  # v1: the stat file has the limit over the hierarchy
+            d = f"{root}/memory{path.rstrip('/')}"
+            limit = _stat_value(f"{d}/memory.stat", "hierarchical_memory_limit") or _read_int(f"{d}/memory.limit_in_bytes")
+            usage = _read_int(f"{d}/memory.usage_in_bytes")
+            if limit is not None and usage is not None and limit < _UNLIMITED:
+                lefts.append(limit - usage + _stat_value(f"{d}/memory.stat", "total_inactive_file"))
+    return max(min(lefts), 0) if lefts else None
+
+
 def address_space_left(reserve: int = VIRTUAL_RESERVE) -> int | None:
     """What an RLIMIT_AS soft limit leaves for the run, `reserve` kept for mappings (None: no limit)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
@@ -92,14 +148,15 @@ def address_space_left(reserve: int = VIRTUAL_RESERVE) -> int | None:
     return max(soft - _virtual_size() - reserve, 0)
 
 
-def _reserve(config: Config, device: Any) -> int:
+def _reserves(config: Config, device: Any) -> tuple[int, int]:
+    """(address space, resident memory) to keep beside the plan on this CPU."""
     from rlft.models.precision import resolve_precision
 
     try:
         bf16 = resolve_precision(config.training.precision, config.model.dtype, device).name in ("bf16-mixed", "bf16")
     except RlftError:  # reported when the run starts
         bf16 = False
-    return VIRTUAL_RESERVE_BF16 if bf16 else VIRTUAL_RESERVE
+    return (VIRTUAL_RESERVE_BF16, RSS_RESERVE_BF16) if bf16 else (VIRTUAL_RESERVE, RSS_RESERVE)
 
 
 def run_budget(config: Config, device: Any, local_ranks: int = 1) -> Budget | None:
@@ -117,16 +174,22 @@ def run_budget(config: Config, device: Any, local_ranks: int = 1) -> Budget | No
                       CUDA_CONTEXT)
     if device.type != "cpu":
         return None
-    reserve = _reserve(config, device)
-    available, left = _meminfo_available(), address_space_left(reserve)
-    if left is not None and (available is None or left < available // local_ranks):
-        return Budget(f"the address-space limit (RLIMIT_AS; {left / GiB:.1f} GiB left after "
-                      f"{reserve / GiB:g} GiB reserved for mappings)", left)
-    if available is None:
-        return None
-    if local_ranks > 1:
-        return Budget(f"this machine's available RAM split over {local_ranks} ranks", available // local_ranks)
-    return Budget("this machine's available RAM", available)
+    reserve, rss_reserve = _reserves(config, device)
+    split = f" split over {local_ranks} ranks" if local_ranks > 1 else ""
+    budgets = []  # the ranks of this machine share its RAM and its cgroup; each has its own RLIMIT_AS
+    available = _meminfo_available()
+    if available is not None:
+        budgets.append(Budget(f"this machine's available RAM{split} ({rss_reserve / GiB:g} GiB kept for the "
+                              "runtime)", max(available - rss_reserve, 0) // local_ranks))
+    cgroup = cgroup_memory_left()
+    if cgroup is not None:
+        budgets.append(Budget(f"the memory cgroup's limit{split} ({cgroup / GiB:.1f} GiB left, {rss_reserve / GiB:g} "
+                              "GiB kept for the runtime)", max(cgroup - rss_reserve, 0) // local_ranks))
+    left = address_space_left(reserve)
+    if left is not None:
+        budgets.append(Budget(f"the address-space limit (RLIMIT_AS; {left / GiB:.1f} GiB left after "
+                              f"{reserve / GiB:g} GiB reserved for mappings)", left))
+    return min(budgets, key=lambda b: b.capacity) if budgets else None
 
 
 @dataclass(frozen=True)
