@@ -8,12 +8,13 @@ the cgroup fs).
 2. `auto`: rlft's defaults: the planner reads the RLIMIT_AS cap as the budget and turns on what
    makes the plan fit.
 
-    PYTHONPATH=src python benchmarks/memory_fit_demo.py --memory-limit-gb 3.5 [--size small] [--new-tokens 128]
+    PYTHONPATH=src python benchmarks/memory_fit_demo.py --memory-limit-gb 3.5 [--size small]
     PYTHONPATH=src python benchmarks/memory_fit_demo.py --cgroup-limit-gb 2.25 --precision auto --steps 4
 
 The workload is the bench's large-full one (~28M model, 4 prompts x G 8, up to 128 new tokens,
-fp32 by default so it behaves alike on every CPU; `--precision auto` for rlft's default), 2 steps. Printed per run: exit code, wall time, peak RSS,
-the process's peak address space (VmPeak) and the memory-fit line rlft printed.
+fp32 by default so it behaves alike on every CPU; `--precision auto` for rlft's default), 2 steps.
+Printed per run: exit code, wall time, peak RSS, the process's peak address space (VmPeak), in a
+cgroup its peak and OOM kills, and the memory-fit line rlft printed.
 """
 
 from __future__ import annotations

@@ -187,9 +187,10 @@ class TrainingConfig(Section):
     memory_limit_gb: float | None = Field(
         None, gt=0, description="Memory (GiB) the run may use. Before loading weights rlft plans the run's memory "
                                 "against it (unset: the GPU's memory, or on CPU the available RAM, a memory cgroup's "
-                                "limit (containers) and any RLIMIT_AS limit) and, if the plan does not fit, turns on the cheapest of "
-                                "micro-batching, gradient checkpointing and smaller rollout batches that fits; "
-                                "settings written in the config are kept. Nothing fits: an error before loading.")
+                                "limit (containers) and any RLIMIT_AS limit) and, if the plan does not fit, turns "
+                                "on the cheapest of micro-batching, gradient checkpointing and smaller rollout "
+                                "batches that fits; settings written in the config are kept. Nothing fits: an error "
+                                "before loading.")
     max_consecutive_nonfinite: int = Field(
         3, ge=1, description="Stop after this many consecutive steps skipped for a non-finite loss/grad norm.")
     dist_timeout_s: float = Field(

@@ -133,7 +133,8 @@ def cgroup_memory_left(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys
                     lefts.append(limit - usage + _stat_value(f"{d}/memory.stat", "inactive_file"))
         elif "memory" in controllers.split(","):  # v1: the stat file has the limit over the hierarchy
             d = f"{root}/memory{path.rstrip('/')}"
-            limit = _stat_value(f"{d}/memory.stat", "hierarchical_memory_limit") or _read_int(f"{d}/memory.limit_in_bytes")
+            limit = (_stat_value(f"{d}/memory.stat", "hierarchical_memory_limit")
+                     or _read_int(f"{d}/memory.limit_in_bytes"))
             usage = _read_int(f"{d}/memory.usage_in_bytes")
             if limit is not None and usage is not None and limit < _UNLIMITED:
                 lefts.append(limit - usage + _stat_value(f"{d}/memory.stat", "total_inactive_file"))
