@@ -191,3 +191,29 @@ def test_the_least_of_ram_cgroup_and_address_space_is_the_budget(qwen_path, data
     monkeypatch.setattr(mf, "address_space_left", lambda reserve: None)
     budget = mf.run_budget(config, cpu)
     assert budget.capacity == 20 * gib - mf.RSS_RESERVE and "available RAM" in budget.label
+
+
+def test_against_ram_the_allocators_slack_grows_with_the_micro_batch(qwen_path, data, tmp_path, monkeypatch):
+    # RAM and cgroups count what the allocator keeps resident: SLACK_LAYERS layers' activations of
+    # one micro-batch beside the plan, so fewer rows per micro-batch need less beside it
+    import rlft.memory_fit as mf
+    from rlft.cli_plan import plan_input_from_config, read_model_config
+    from rlft.plan import micro_batch_layer_bytes, plan_memory
+    from rlft.plan_lengths import data_lengths
+
+    config = load_config(_config(qwen_path, data, tmp_path / "run", None))
+    cpu = __import__("torch").device("cpu")
+    model_cfg = read_model_config(str(qwen_path))
+    base = plan_input_from_config(config, 1, cpu, lengths=data_lengths(config))
+    plan, layer = plan_memory(model_cfg, base).total, micro_batch_layer_bytes(model_cfg, base)
+    assert layer > 0
+    for resident in (False, True):
+        monkeypatch.setattr(mf, "run_budget", lambda *a, **k: mf.Budget("test", 10 * 2**30, resident=resident))
+        fit = mf.fit_memory(config, World(), cpu)
+        expected = plan + (mf.SLACK_LAYERS * layer if resident else 0)
+        assert fit.record["planned_gib"] == round(expected / 2**30, 4) and fit.changes == {}
+    # a budget the plan fits but not with the slack beside it: a saver is turned on, and said why
+    squeeze = int((plan + mf.SLACK_LAYERS * layer * 0.9) / 0.9)
+    monkeypatch.setattr(mf, "run_budget", lambda *a, **k: mf.Budget("test", squeeze, resident=True))
+    fit = mf.fit_memory(config, World(), cpu)
+    assert fit.changes and "allocator slack" in fit.message

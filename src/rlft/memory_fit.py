@@ -6,7 +6,8 @@ CUDA context); else on CPU the least of: the host's available RAM and what the p
 cgroup still allows (a container's `--memory`, a Kubernetes limit, a systemd slice), each less
 `RSS_RESERVE`, and what is left of an address-space limit (RLIMIT_AS, `ulimit -v`) less
 `VIRTUAL_RESERVE`. The plan must fit in 90% of it (the allocator's fragmentation, as
-`plan.Verdict`).
+`plan.Verdict`); against RAM or a cgroup, with `SLACK_LAYERS` layers' activations of one
+micro-batch beside it (what the allocator keeps resident grows with what a micro-batch allocates).
 
 The savers, each used only where the config leaves it at its default (a value written in the
 config, even the default one, is never changed), with a rough cost in extra step time:
@@ -46,11 +47,16 @@ GiB = 2**30
 VIRTUAL_RESERVE = 3 * GiB // 2
 VIRTUAL_RESERVE_BF16 = 5 * GiB // 2
 # Resident memory the plan's live tensors do not count: the runtime's growth after the check (the
-# weights' loaders, oneDNN), the allocator's free-but-resident pages. Measured on the ~28M GRPO run
-# (benchmarks/README.md, the memory fit), peak RSS less the RSS at the check less the plan: fp32
-# 0.31-0.65 GB, bf16-mixed 0.92-1.22 GB (the most with the whole batch in one micro-batch).
-RSS_RESERVE = 3 * GiB // 4
-RSS_RESERVE_BF16 = 5 * GiB // 4
+# weights' loaders, oneDNN's primitive cache) and the allocator's free-but-resident pages, which grow
+# with what one micro-batch allocates. Measured on the ~28M GRPO run (benchmarks/README.md, the memory
+# fit), peak RSS less the RSS at the check less the plan, against one layer's saved activations for
+# one micro-batch (A: 0.124 GiB for 32 rows x 146 tokens in bf16-mixed, 0.189 in fp32), with the RSS
+# at the check taken as 300 MiB: bf16-mixed 1.27 GiB at 32 rows (1.33 with checkpointing), 0.87-1.09
+# GiB at 4-8 rows; fp32 0.60 / 0.45 / 0.29 GiB at 32 / 8 / 4 rows; in a 2 GiB cgroup (its usage at
+# the check instead of the RSS) 0.83 GiB at 4 rows. Kept: RSS_RESERVE(_BF16) + SLACK_LAYERS x A.
+RSS_RESERVE = 2 * GiB // 5
+RSS_RESERVE_BF16 = 9 * GiB // 10
+SLACK_LAYERS = 4
 _UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as a number near 2**63
 COST_MICRO, COST_THIN_MICRO, COST_CHECKPOINT, COST_ROLLOUT_SPLIT = 0.01, 0.05, 0.33, 0.5
 BUSY_TOKENS = 256  # tokens per micro-batch from which one more pass over the weights is cheap (CPU)
@@ -61,6 +67,7 @@ class Budget:
     label: str
     capacity: int  # bytes the run may use
     context: int = 0  # of which held by something else (the CUDA context)
+    resident: bool = False  # host RAM or a cgroup: the allocator's slack (SLACK_LAYERS) counts too
 
 
 @dataclass
@@ -181,11 +188,12 @@ def run_budget(config: Config, device: Any, local_ranks: int = 1) -> Budget | No
     available = _meminfo_available()
     if available is not None:
         budgets.append(Budget(f"this machine's available RAM{split} ({rss_reserve / GiB:g} GiB kept for the "
-                              "runtime)", max(available - rss_reserve, 0) // local_ranks))
+                              "runtime)", max(available - rss_reserve, 0) // local_ranks, resident=True))
     cgroup = cgroup_memory_left()
     if cgroup is not None:
         budgets.append(Budget(f"the memory cgroup's limit{split} ({cgroup / GiB:.1f} GiB left, {rss_reserve / GiB:g} "
-                              "GiB kept for the runtime)", max(cgroup - rss_reserve, 0) // local_ranks))
+                              "GiB kept for the runtime)", max(cgroup - rss_reserve, 0) // local_ranks,
+                              resident=True))
     left = address_space_left(reserve)
     if left is not None:
         budgets.append(Budget(f"the address-space limit (RLIMIT_AS; {left / GiB:.1f} GiB left after "
@@ -278,7 +286,7 @@ def fit_memory(config: Config, world: Any, device: Any, local_ranks: int | None 
     import os
 
     from rlft.cli_plan import plan_input_from_config, read_model_config
-    from rlft.plan import Verdict, advise, plan_memory, size_text
+    from rlft.plan import Verdict, advise, micro_batch_layer_bytes, plan_memory, size_text
     from rlft.plan_lengths import data_lengths
 
     if local_ranks is None:
@@ -293,7 +301,15 @@ def fit_memory(config: Config, world: Any, device: Any, local_ranks: int | None 
         model_cfg = read_model_config(config.model.path, config.model.revision, config.model.trust_remote_code)
         lengths = data_lengths(config)
         base = plan_input_from_config(config, world_size or world.size, device, lengths=lengths)
-        base_total = plan_memory(model_cfg, base).total
+
+        def slack(setting: Any) -> int:  # in RAM, what the allocator keeps resident beside the plan
+            return SLACK_LAYERS * micro_batch_layer_bytes(model_cfg, setting) if budget.resident else 0
+
+        def need(setting: Any) -> int:
+            return plan_memory(model_cfg, setting).total + slack(setting)
+
+        base_total = need(base)
+        slack_note = f" (with {size_text(slack(base))} of allocator slack)" if budget.resident else ""
     except (RlftError, ValueError):
         return Fit(config)  # loading reports an unreadable model; the planner knows Llama-family decoders only
     verdict = Verdict(budget.label, budget.capacity, base_total, budget.context)
@@ -303,14 +319,14 @@ def fit_memory(config: Config, world: Any, device: Any, local_ranks: int | None 
               "lengths": length_note}
     if verdict.fits:
         return Fit(config, record={**record, "fits": True, "changes": {}})
-    planned = [(option, plan_memory(model_cfg, option.setting).total) for option in _options(config, base)]
+    planned = [(option, need(option.setting)) for option in _options(config, base)]
     fitting = [(option.cost, total, option) for option, total in planned
                if Verdict("", budget.capacity, total, budget.context).fits]
     pinned = _pinned(config)
     if not fitting:
         smallest, least = min(planned, key=lambda p: (p[1], p[0].cost))
         fixes = [a for a in advise(model_cfg, smallest.setting, budget.capacity, budget.context) if a.fits][:3]
-        lines = [f"memory plan: this run needs about {size_text(base_total)} at the peak, and still "
+        lines = [f"memory plan: this run needs about {size_text(base_total)} at the peak{slack_note}, and still "
                  f"{size_text(least)} with the memory savers rlft may turn on"
                  + (f" (the least: {_describe(smallest.changes)})" if smallest.changes else " (none left free)")
                  + f"; {budget.label} leaves about {size_text(verdict.usable)} usable. Stopped before loading "
@@ -325,7 +341,8 @@ def fit_memory(config: Config, world: Any, device: Any, local_ranks: int | None 
         lines.append(f"  details: rlft plan CONFIG --memory-gb {budget.capacity / GiB:.4g}")
         raise RlftError("\n".join(lines))
     cost, total, best = min(fitting, key=lambda f: (f[0], f[1]))
-    message = (f"memory: the plan needs {size_text(base_total)} at the peak, more than the {size_text(verdict.usable)} "
+    message = (f"memory: the plan needs {size_text(base_total)} at the peak{slack_note}, more than the "
+               f"{size_text(verdict.usable)} "
                f"usable of {budget.label}; turned on {_describe(best.changes)}: {size_text(total)} "
                f"(the cheapest set that fits, about +{cost:.0%} step time)")
     if pinned:

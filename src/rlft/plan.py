@@ -446,6 +446,14 @@ def plan_memory(model_config: Any, setting: PlanInput) -> MemoryPlan:
     return MemoryPlan(out, notes)
 
 
+def micro_batch_layer_bytes(model_config: Any, setting: PlanInput) -> int:
+    """Bytes autograd saves in one decoder layer for one micro-batch of the update."""
+    m = ModelShape.from_config(model_config)
+    rows = setting.micro_batch_size * (2 if setting.method == "dpo" else 1)
+    tokens, attended = shared_prefix_tokens(m, setting, rows)
+    return tokens * layer_activation_bytes(m, setting, attended)
+
+
 def shared_prefix_tokens(m: ModelShape, s: PlanInput, rows: int) -> tuple[int, int]:
     """(tokens, attended length) of a training micro-batch of `rows` rows: with training.shared_prefix,
     one prompt per segment of k completions, attention over [prompt | k completions] (k as
