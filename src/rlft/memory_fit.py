@@ -185,15 +185,12 @@ def run_budget(config: Config, device: Any, local_ranks: int = 1) -> Budget | No
     reserve, rss_reserve = _reserves(config, device)
     split = f" split over {local_ranks} ranks" if local_ranks > 1 else ""
     budgets = []  # the ranks of this machine share its RAM and its cgroup; each has its own RLIMIT_AS
-    available = _meminfo_available()
-    if available is not None:
-        budgets.append(Budget(f"this machine's available RAM{split} ({rss_reserve / GiB:g} GiB kept for the "
-                              "runtime)", max(available - rss_reserve, 0) // local_ranks, resident=True))
     cgroup = cgroup_memory_left()
-    if cgroup is not None:
-        budgets.append(Budget(f"the memory cgroup's limit{split} ({cgroup / GiB:.1f} GiB left, {rss_reserve / GiB:g} "
-                              "GiB kept for the runtime)", max(cgroup - rss_reserve, 0) // local_ranks,
-                              resident=True))
+    for name, free, left_note in (("this machine's available RAM", _meminfo_available(), ""),
+                                  ("the memory cgroup's limit", cgroup, f"{(cgroup or 0) / GiB:.1f} GiB left, ")):
+        if free is not None:
+            budgets.append(Budget(f"{name}{split} ({left_note}{rss_reserve / GiB:g} GiB kept for the runtime)",
+                                  max(free - rss_reserve, 0) // local_ranks, resident=True))
     left = address_space_left(reserve)
     if left is not None:
         budgets.append(Budget(f"the address-space limit (RLIMIT_AS; {left / GiB:.1f} GiB left after "

@@ -401,9 +401,7 @@ def plan_memory(model_config: Any, setting: PlanInput) -> MemoryPlan:
     elif s.reference:
         notes.append("reference model: the policy with its adapters disabled (no extra memory)")
 
-    rows = s.micro_batch_size * (2 if s.method == "dpo" else 1)  # dpo: chosen and rejected in one forward
-    tokens, attended = shared_prefix_tokens(m, s, rows)
-    per_layer = layer_activation_bytes(m, s, attended)
+    rows, tokens, per_layer = _micro_batch(m, s)
     final_norm = _norm_bytes(s, m.hidden) + (0 if s.lora else b * m.hidden)  # + lm_head's input
     if s.gradient_checkpointing:
         # backward rebuilds one layer at a time, after the logits' gradient is gone
@@ -446,12 +444,17 @@ def plan_memory(model_config: Any, setting: PlanInput) -> MemoryPlan:
     return MemoryPlan(out, notes)
 
 
+def _micro_batch(m: ModelShape, s: PlanInput) -> tuple[int, int, int]:
+    """(rows, tokens, bytes saved per token in one layer) of one micro-batch of the update."""
+    rows = s.micro_batch_size * (2 if s.method == "dpo" else 1)  # dpo: chosen and rejected in one forward
+    tokens, attended = shared_prefix_tokens(m, s, rows)
+    return rows, tokens, layer_activation_bytes(m, s, attended)
+
+
 def micro_batch_layer_bytes(model_config: Any, setting: PlanInput) -> int:
     """Bytes autograd saves in one decoder layer for one micro-batch of the update."""
-    m = ModelShape.from_config(model_config)
-    rows = setting.micro_batch_size * (2 if setting.method == "dpo" else 1)
-    tokens, attended = shared_prefix_tokens(m, setting, rows)
-    return tokens * layer_activation_bytes(m, setting, attended)
+    _, tokens, per_layer = _micro_batch(ModelShape.from_config(model_config), setting)
+    return tokens * per_layer
 
 
 def shared_prefix_tokens(m: ModelShape, s: PlanInput, rows: int) -> tuple[int, int]:
