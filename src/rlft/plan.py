@@ -542,9 +542,14 @@ def _hf_sampling(m: ModelShape, s: PlanInput, out: list[Component]) -> None:
     if s.fast_decode and s.quantization == "none":  # a 4-bit model samples through its own forward
         linear = {k: a * c for k, (a, c) in m.linear_shapes().items()}
         fused = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-        copied = sum(linear.values()) if s.lora else sum(linear[k] for k in fused)
-        out.append(Component("fast-decode fused weights", m.layers * copied * DTYPE_BYTES[s.param_dtype], phase,
-                             "q|k|v and gate|up concatenated" + (", LoRA merged into every linear" if s.lora else "")))
+        if b != DTYPE_BYTES[s.param_dtype]:  # autocast rollouts: every linear cast once (a frozen head too)
+            size = (m.layers * sum(linear.values()) + (m.vocab * m.hidden if s.lora else 0)) * b
+            what = f"every linear cast to {b}-byte compute once" + (", LoRA merged, the frozen head" if s.lora else "")
+        else:
+            copied = sum(linear.values()) if s.lora else sum(linear[k] for k in fused)
+            size = m.layers * copied * DTYPE_BYTES[s.param_dtype]
+            what = "q|k|v and gate|up concatenated" + (", LoRA merged into every linear" if s.lora else "")
+        out.append(Component("fast-decode fused weights", size, phase, what))
     # one prefill per distinct prompt: a batch of rows in prompt order spans ceil(rows / G) prompts,
     # one more when it starts inside a group
     prompts = min(gen_rows, math.ceil(gen_rows / s.group_size) + (1 if gen_rows % s.group_size else 0))

@@ -5,7 +5,11 @@ overhead than in arithmetic for small batches (profiled on CPU: a 1M-parameter m
 3/4 of each step outside matmuls, a third of it growing the KV cache with `torch.cat`). This path
 runs the same maths with fewer ops: fused QKV and gate/up projections, one `rms_norm` call, a KV
 cache preallocated for the whole generation, and LoRA deltas folded into the weights once per
-`generate` call (the model itself is never modified).
+`generate` call (the model itself is never modified). Under autocast (bf16-mixed rollouts from
+fp32 weights) the weights and the KV cache are cast to the compute dtype once per call as well:
+autocast casts a detached weight, and RoPE's float32 keys, again in every layer of every step
+(measured on a bf16 CPU, the bench's 28M model, 32 rows x 128 tokens: 6.8 -> 3.1 s per generation,
+with attention through SDPA rather than two matmuls, whose bf16 path copied the strided cache).
 
 The prefill still runs through the model's own forward; its KV cache is copied into our buffers.
 Positions, RoPE (the model's own rotary module, so every rope scaling type is handled) and masks
@@ -24,28 +28,28 @@ import torch.nn.functional as F
 SUPPORTED = ("llama", "qwen2", "mistral")
 
 
-def _effective_linear(module: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(weight, bias) of a Linear, with active LoRA adapters folded in; None if unsupported."""
+def _effective_linear(module: Any, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bias) of a Linear, with active LoRA adapters folded in and cast to `dtype` (None: as
+    stored); None if unsupported."""
     base = getattr(module, "base_layer", module)
     weight, bias = base.weight, base.bias
     if not weight.is_floating_point():  # quantised storage
         return None
-    if hasattr(module, "lora_A"):
-        if getattr(module, "merged", False):
-            return weight.detach(), None if bias is None else bias.detach()
-        if not getattr(module, "disable_adapters", False):
-            for name in module.active_adapters:
-                if name not in module.lora_A:
-                    continue
-                if getattr(module, "use_dora", {}).get(name, False):
-                    return None
-                delta = module.lora_B[name].weight @ module.lora_A[name].weight
-                weight = weight + delta.to(weight.dtype) * module.scaling[name]
-    return weight.detach(), None if bias is None else bias.detach()
+    if hasattr(module, "lora_A") and not getattr(module, "merged", False) \
+            and not getattr(module, "disable_adapters", False):
+        for name in module.active_adapters:
+            if name not in module.lora_A:
+                continue
+            if getattr(module, "use_dora", {}).get(name, False):
+                return None
+            delta = module.lora_B[name].weight @ module.lora_A[name].weight
+            weight = weight + delta.to(weight.dtype) * module.scaling[name]
+    dtype = dtype or weight.dtype
+    return weight.detach().to(dtype), None if bias is None else bias.detach().to(dtype)
 
 
-def _fuse(*linears: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    parts = [_effective_linear(m) for m in linears]
+def _fuse(*linears: Any, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    parts = [_effective_linear(m, dtype) for m in linears]
     if any(p is None for p in parts):
         return None
     weight = torch.cat([w for w, _ in parts])
@@ -66,10 +70,15 @@ class _Layer:
 
 
 class LeanDecoder:
-    def __init__(self, base: Any, layers: list[_Layer], capacity: int):
+    def __init__(self, base: Any, layers: list[_Layer], head: tuple[torch.Tensor, torch.Tensor | None] | None,
+                 capacity: int, dtype: torch.dtype | None = None):
         cfg = base.config
+        # the KV buffers' dtype: the compute dtype under autocast (the prefill's keys come out of RoPE
+        # in float32, and autocast would cast them back to bf16 in every layer of every step)
+        self.dtype = dtype
         self.base = base
         self.layers = layers
+        self.head = head
         self.capacity = capacity
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
@@ -82,7 +91,9 @@ class LeanDecoder:
         self.length = 0
 
     @classmethod
-    def build(cls, model: Any, capacity: int) -> "LeanDecoder | None":
+    def build(cls, model: Any, capacity: int, dtype: torch.dtype | None = None) -> "LeanDecoder | None":
+        """The decoder for `model`, its weights cast once to `dtype` (the rollout's autocast dtype; None:
+        as stored), or None where this path cannot run the model."""
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         cfg = getattr(base, "config", None)
         if cfg is None or getattr(cfg, "model_type", None) not in SUPPORTED or cfg.hidden_act != "silu":
@@ -98,24 +109,32 @@ class LeanDecoder:
             layers = []
             for layer in base.model.layers:
                 attn, mlp = layer.self_attn, layer.mlp
-                qkv = _fuse(attn.q_proj, attn.k_proj, attn.v_proj)
-                gate_up = _fuse(mlp.gate_proj, mlp.up_proj)
-                o, down = _effective_linear(attn.o_proj), _effective_linear(mlp.down_proj)
+                qkv = _fuse(attn.q_proj, attn.k_proj, attn.v_proj, dtype=dtype)
+                gate_up = _fuse(mlp.gate_proj, mlp.up_proj, dtype=dtype)
+                o, down = _effective_linear(attn.o_proj, dtype), _effective_linear(mlp.down_proj, dtype)
                 if None in (qkv, gate_up, o, down):
                     return None
                 layers.append(_Layer(layer.input_layernorm.weight.detach(), qkv, o,
                                      layer.post_attention_layernorm.weight.detach(), gate_up, down))
+            # the output head: autocast keeps one cast copy of a trained head (a parameter that
+            # requires grad) for the whole sampling call already; a frozen one (LoRA) is cast here once
+            head = None
+            if dtype is not None and not base.lm_head.weight.requires_grad:
+                head = _effective_linear(base.lm_head, dtype)
+                if head is None:
+                    return None
         except AttributeError:  # a Llama-family name with other module names
             return None
-        return cls(base, layers, capacity)
+        return cls(base, layers, head, capacity, dtype)
 
     def load_cache(self, cache: Any) -> None:
         """Copy the prefill's KV cache (a transformers Cache) into preallocated buffers."""
         self.keys, self.values = [], []
         for layer in cache.layers:
             k, v = layer.keys, layer.values  # [B, kv_heads, P, head_dim]
-            kb = k.new_empty((k.shape[0], k.shape[1], self.capacity, k.shape[3]))
-            vb = v.new_empty((v.shape[0], v.shape[1], self.capacity, v.shape[3]))
+            dtype = self.dtype or k.dtype
+            kb = k.new_empty((k.shape[0], k.shape[1], self.capacity, k.shape[3]), dtype=dtype)
+            vb = v.new_empty((v.shape[0], v.shape[1], self.capacity, v.shape[3]), dtype=dtype)
             kb[:, :, : k.shape[2]] = k
             vb[:, :, : v.shape[2]] = v
             self.keys.append(kb)
@@ -143,7 +162,8 @@ class LeanDecoder:
             for old, new, out in ((self.keys[i] if self.keys else None, layer.keys, keys),
                                   (self.values[i] if self.values else None, layer.values, values)):
                 rows = 0 if old is None else old.shape[0]
-                buf = new.new_zeros((rows + new.shape[0], new.shape[1], capacity, new.shape[3]))
+                buf = new.new_zeros((rows + new.shape[0], new.shape[1], capacity, new.shape[3]),
+                                    dtype=self.dtype or new.dtype)
                 if rows:
                     buf[:rows, :, old_at:length] = old[:, :, start:self.length]
                 buf[rows:, :, new_at:length] = new
@@ -180,17 +200,15 @@ class LeanDecoder:
             if self.kv_heads != self.heads:
                 rep = self.heads // self.kv_heads
                 keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
-            # one query row: two small matmuls beat the fused kernel's setup cost
-            scores = (q @ keys.transpose(-1, -2)) * self.scale  # [B, H, 1, L+1]
-            scores = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
-            attn = scores @ values  # [B, H, 1, D]
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)  # [B, H, 1, D]
             h = h + F.linear(attn.transpose(1, 2).reshape(b, 1, q_size), *layer.o)
             x = self._norm(h, layer.ln2)
             gate, up = F.linear(x, *layer.gate_up).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, *layer.down)
         self.length += 1
         h = self._norm(h, self.final_norm)
-        return self.base.lm_head(h)[:, -1]  # [B, V]
+        logits = self.base.lm_head(h) if self.head is None else F.linear(h, *self.head)
+        return logits[:, -1]  # [B, V]
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

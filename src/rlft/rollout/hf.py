@@ -104,7 +104,7 @@ class HFEngine:
     def continuous(self, params: SamplingParams) -> Any:
         """A continuous batch (rollout/continuous.py) for one request's turns, claiming its call as
         `generate` would for the first turn; None where the lean decoder cannot run this model."""
-        decoder = LeanDecoder.build(self.model, 1) if self.fast_decode else None
+        decoder = LeanDecoder.build(self.model, 1, self.compute_dtype) if self.fast_decode else None
         if decoder is None:
             return None
         from rlft.rollout.continuous import ContinuousBatch
@@ -182,7 +182,7 @@ class HFEngine:
         return logits[to_unique], cache
 
     def _decoder(self, cache: Any, capacity: int) -> Any:
-        lean = LeanDecoder.build(self.model, capacity) if self.fast_decode else None
+        lean = LeanDecoder.build(self.model, capacity, self.compute_dtype) if self.fast_decode else None
         if lean is None:
             return _ModelDecoder(self.model, cache, self._cache_kw)
         lean.load_cache(cache)
