@@ -305,7 +305,7 @@ def run_workload(i: int, name: str, models: dict, shapes: dict, args, work: Path
         for key in ("torch_threads", "trainable_params", "optim", "eos_token_ids", "train_wall_s", "loss_type",
                     "beta", "activation_checkpointing", "gradient_checkpointing", "bf16", "defaults",
                     "per_device_train_batch_size", "generation_batch_size", "steps_per_generation",
-                    "prompt_token_lengths", "cgroup_limit_gb", "cgroup_peak_mb", "oom_kills"):
+                    "prompt_token_lengths", "cgroup_limit_gb", "cgroup_peak_mb", "oom_kills", "memory_fit"):
             if key in runs[fw]:
                 entry[fw][key] = runs[fw][key]
     ok = entry["rlft"]["ok"] and entry["trl"]["ok"]

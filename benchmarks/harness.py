@@ -308,6 +308,9 @@ def run_rlft(name: str, wl: dict, model_dir: Path, args, work: Path, steps: int,
                          "time_generate": r.get("time/generate"), "time_score": r.get("time/score"),
                          "time_reference": r.get("time/reference"), "time_train": r.get("time/train")}
                         for r in rows if "time/step" in r]
+    summary = out_dir / "summary.json"
+    if summary.is_file():  # what the memory fit chose (and why), where this rlft has one
+        res["memory_fit"] = json.loads(summary.read_text()).get("memory_fit")
     return res
 
 

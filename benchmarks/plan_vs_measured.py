@@ -105,7 +105,7 @@ def run_case(name: str, model: Path, root: Path, dims: dict[str, int]) -> dict[s
         setting = PlanInput(method="online", micro_batch_size=rows, batch_size=rows, lora=lora, precision=precision,
                             param_dtype=dtype, gradient_checkpointing=ckpt, device_type="cpu",
                             seq_len=dims["prompt_len"] + NEW_TOKENS, completion_len=NEW_TOKENS, group_size=GROUP,
-                            prompts_per_step=PROMPTS, reference=True)
+                            prompts_per_step=PROMPTS, reference=True, shared_prefix="auto")  # the config default
     tracker = LiveTensorTracker()
     patched = [(HFEngine, "generate", track_phase(tracker, HFEngine, "generate", "rollout")),
                (online, "policy_update", track_phase(tracker, online, "policy_update", "update")),
