@@ -37,16 +37,15 @@ def _left_padded(lengths, vocab, seed=1):
     return ids, mask
 
 
-def _compare(model, steps=6, atol=1e-5, rtol=1e-4, spare=0, dtype=None):
-    """Lean steps against the model's forward over the whole sequence; `spare` extra columns of
-    capacity (so the padded attention width can run past the last key); `dtype` the weights' cast."""
+def _compare(model, steps=6, atol=1e-5, rtol=1e-4, dtype=None):
+    """Lean steps against the model's forward over the whole sequence; `dtype`: the decoder's cast."""
     ids, mask = _left_padded([5, 9, 7], model.config.vocab_size)
     future = torch.randint(1, model.config.vocab_size, (3, steps), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         pos = position_ids_for(mask)
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
         cache = out["cache"] if "cache" in out else out["past_key_values"]
-        lean = LeanDecoder.build(model, ids.shape[1] + steps + spare, dtype)
+        lean = LeanDecoder.build(model, ids.shape[1] + steps, dtype)
         assert lean is not None
         lean.load_cache(cache)
         attention, next_pos = mask, pos[:, -1:] + 1
