@@ -108,15 +108,17 @@ def _read_int(path: str) -> int | None:
     return int(text) if text.isdigit() else None  # cgroup v2 writes "max" for no limit
 
 
-def _stat_value(path: str, key: str) -> int:
+def _stat(path: str) -> dict[str, int]:
+    """A cgroup `memory.stat` file as {name: value} (empty where unreadable)."""
+    out = {}
     try:
         for line in open(path):
             name, _, value = line.partition(" ")
-            if name == key:
-                return int(value)
-    except (OSError, ValueError):
+            if value.strip().isdigit():
+                out[name] = int(value)
+    except OSError:
         pass
-    return 0
+    return out
 
 
 def cgroup_memory_left(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
@@ -137,14 +139,14 @@ def cgroup_memory_left(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys
                 d = "/".join([root, *parts[:depth]])
                 limit, usage = _read_int(f"{d}/memory.max"), _read_int(f"{d}/memory.current")
                 if limit is not None and usage is not None:
-                    lefts.append(limit - usage + _stat_value(f"{d}/memory.stat", "inactive_file"))
+                    lefts.append(limit - usage + _stat(f"{d}/memory.stat").get("inactive_file", 0))
         elif "memory" in controllers.split(","):  # v1: the stat file has the limit over the hierarchy
             d = f"{root}/memory{path.rstrip('/')}"
-            limit = (_stat_value(f"{d}/memory.stat", "hierarchical_memory_limit")
-                     or _read_int(f"{d}/memory.limit_in_bytes"))
+            stat = _stat(f"{d}/memory.stat")
+            limit = stat.get("hierarchical_memory_limit") or _read_int(f"{d}/memory.limit_in_bytes")
             usage = _read_int(f"{d}/memory.usage_in_bytes")
             if limit is not None and usage is not None and limit < _UNLIMITED:
-                lefts.append(limit - usage + _stat_value(f"{d}/memory.stat", "total_inactive_file"))
+                lefts.append(limit - usage + stat.get("total_inactive_file", 0))
     return max(min(lefts), 0) if lefts else None
 
 
