@@ -10,6 +10,7 @@ on, rollouts in batches of 4). A limit of 0.04 GiB leaves 0.9 x 40.96 = 36.9 MiB
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -79,6 +80,33 @@ def test_checkpointing_is_turned_on_and_the_run_completes(qwen_path, data, tmp_p
     saved = yaml.safe_load((out / "config.yaml").read_text())  # the run's resolved settings
     assert saved["model"]["gradient_checkpointing"] is True and saved["algorithm"]["micro_batch_size"] == 32
     assert json.loads((out / "summary.json").read_text())["memory_fit"]["fits"] is False
+
+
+def test_the_heap_keeps_its_freed_pages_only_where_memory_is_plentiful(qwen_path, data, tmp_path, monkeypatch):
+    """Plenty of memory (the plan takes at most half of what is usable): no trimming between a step's
+    phases (training.host_memory); a plan that fits with less room, or needs a saver, keeps trimming."""
+    import torch
+
+    import rlft.training.host_memory as host_memory
+    import rlft.training.online as online
+
+    roomy = _fit(_config(qwen_path, data, tmp_path / "a", 1.0))  # 68.0 MiB of 921.6 usable
+    assert roomy.roomy and roomy.changes == {} and roomy.record["keeps_freed_pages"] is True
+    snug = _fit(_config(qwen_path, data, tmp_path / "b", 0.1))  # 68.0 of 92.2: fits, more than half
+    assert not snug.roomy and snug.changes == {} and snug.record["keeps_freed_pages"] is False
+    assert not _fit(_config(qwen_path, data, tmp_path / "c", 0.04)).roomy  # a saver was needed
+    runs, kept = [], []
+
+    def run_online(cfg, world, trim_heap):
+        Path(cfg.output_dir).mkdir(parents=True)  # (the run folder the summary is written to)
+        runs.append(trim_heap)
+        return {}
+
+    monkeypatch.setattr(online, "run_online", run_online)
+    monkeypatch.setattr(host_memory, "keep_freed_pages", lambda device: kept.append(device) or True)
+    train(_config(qwen_path, data, tmp_path / "a", 1.0))
+    train(_config(qwen_path, data, tmp_path / "b", 0.1))
+    assert runs == [False, True] and kept == [torch.device("cpu")]
 
 
 def test_nothing_fits_is_one_error_before_the_run_starts(qwen_path, data, tmp_path, monkeypatch):
@@ -217,3 +245,15 @@ def test_against_ram_the_allocators_slack_grows_with_the_micro_batch(qwen_path, 
     monkeypatch.setattr(mf, "run_budget", lambda *a, **k: mf.Budget("test", squeeze, resident=True))
     fit = mf.fit_memory(config, World(), cpu)
     assert fit.changes and "allocator slack" in fit.message
+
+
+def test_an_online_run_trims_the_heap_only_when_told(qwen_path, data, tmp_path, monkeypatch):
+    import rlft.training.online as online
+
+    trims = []
+    monkeypatch.setattr(online, "release_free_heap", trims.append)
+    for trim in (True, False):
+        cfg = _config(qwen_path, data, tmp_path / f"run-{trim}", 1.0,
+                      rollout={"group_size": 2, "prompts_per_step": 2, "max_new_tokens": 4})
+        assert online.run_online(load_config(cfg), World(), trim_heap=trim)["status"] == "completed"
+        assert len(trims) == 2  # after sampling and after the update of its one step; none when not told

@@ -40,6 +40,10 @@ def train(config: Config | dict[str, Any] | str | Path, overrides: list[str] | N
 
     fit = fit_memory(cfg, world, resolve_device(cfg.model.device))
     cfg = fit.config
+    if fit.roomy:  # memory to spare: the C heap keeps what it frees (CPU; see training.host_memory)
+        from rlft.training.host_memory import keep_freed_pages
+
+        keep_freed_pages(resolve_device(cfg.model.device))
     if world.main and fit.message:
         console.print(f"[bold yellow]{escape(fit.message)}")
     if world.active:
@@ -48,7 +52,7 @@ def train(config: Config | dict[str, Any] | str | Path, overrides: list[str] | N
     if cfg.is_online:
         from rlft.training.online import run_online
 
-        summary = run_online(cfg, world)
+        summary = run_online(cfg, world, trim_heap=not fit.roomy)
     else:
         from rlft.training.offline import run_offline
 

@@ -61,7 +61,9 @@ def load_prompts(data: DataConfig, tokenizer: Any, source: str, split: str, kind
     return check_rows(read_rows(source, split, data.max_row_bytes), encode, source, kind, data.on_invalid)
 
 
-def run_online(config: Config, world: World = SINGLE) -> dict[str, Any]:
+def run_online(config: Config, world: World = SINGLE, trim_heap: bool = True) -> dict[str, Any]:
+    """`trim_heap`: hand the C heap's freed pages back to the OS between a step's phases (CPU; the
+    memory fit turns it off when memory is plentiful, see training.host_memory)."""
     with open_run(config, world) as run:
         precision = run_precision(config, world)
         sample_dtype = rollout_dtype(config.rollout.dtype, precision, resolve_device(config.model.device))
@@ -77,7 +79,7 @@ def run_online(config: Config, world: World = SINGLE) -> dict[str, Any]:
                     shard(frozen.frozen_copy, world)
         session = session_for(config, run, policy, world, precision)
         try:
-            return _train(config, session, reference, sample_dtype, teacher)
+            return _train(config, session, reference, sample_dtype, teacher, trim_heap)
         finally:
             session.loggers.close()
 
@@ -198,8 +200,10 @@ def _engines(config: Config, policy: Any, dtype: torch.dtype | None,
 
 
 def _train(config: Config, session: TrainingSession, reference: Reference | None,
-           sample_dtype: torch.dtype | None = None, teacher: Teacher | None = None) -> dict[str, Any]:
+           sample_dtype: torch.dtype | None = None, teacher: Teacher | None = None,
+           trim_heap: bool = True) -> dict[str, Any]:
     a, world = config.algorithm, session.world
+    trim = release_free_heap if trim_heap else lambda device: None
     o = build_online(config, session, sample_dtype)
     rollouts, critic = o.rollouts, o.critic
     session.start(o.total, PROGRESS_KEYS, config.method, updates_per_step=a.epochs * a.minibatches)
@@ -218,12 +222,12 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
                 break
             except (RewardError, EnvironmentFailed, SamplerFailed, RankStopped) as exc:
                 _halt(session, rollouts, str(exc))
-            release_free_heap(session.policy.device)  # the freed sampling buffers (CPU: see host_memory)
+            trim(session.policy.device)  # the freed sampling buffers (CPU: see host_memory)
             rollout.metrics.update(world_sums(world, _scoring_report(session, rollout.scoring_report)))
             _check_infra(session, rollout, config.scoring.max_infra_error_rate, rollouts)
             metrics = online_step(session, rollout, reference, o.kl_ctl, o.settings, o.update_gen, critic, o.sft_mix,
                                   teacher)
-            release_free_heap(session.policy.device)  # the update's freed activations
+            trim(session.policy.device)  # the update's freed activations
             session.sync_mirror()  # a distributed run's whole copy, which the engine samples from
             rollouts.trained()  # the engine (or the sampler thread) takes the new weights
             if metrics is None:  # every update was skipped (non-finite): draw a new batch
