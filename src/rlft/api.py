@@ -27,8 +27,9 @@ def train(config: Config | dict[str, Any] | str | Path, overrides: list[str] | N
     from rlft.models.loading import resolve_device
     from rlft.training.distributed import init_world, local_device
 
+    device = resolve_device(cfg.model.device)
     # under torchrun: this process's rank (its own GPU, or gloo on CPU); else a single process
-    world = init_world(resolve_device(cfg.model.device).type, cfg.training.dist_timeout_s)
+    world = init_world(device.type, cfg.training.dist_timeout_s)
     if world.active and cfg.model.quantization != "none":
         from rlft.errors import ConfigError
 
@@ -38,12 +39,12 @@ def train(config: Config | dict[str, Any] | str | Path, overrides: list[str] | N
     from rlft.memory_fit import fit_memory
     from rlft.monitor.console import console
 
-    fit = fit_memory(cfg, world, resolve_device(cfg.model.device))
+    fit = fit_memory(cfg, world, device)
     cfg = fit.config
     if fit.roomy:  # memory to spare: the C heap keeps what it frees (CPU; see training.host_memory)
         from rlft.training.host_memory import keep_freed_pages
 
-        keep_freed_pages(resolve_device(cfg.model.device))
+        keep_freed_pages(device)
     if world.main and fit.message:
         console.print(f"[bold yellow]{escape(fit.message)}")
     if world.active:
