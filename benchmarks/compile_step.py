@@ -75,7 +75,7 @@ def child_interleaved(name: str, model_dir: Path, rounds: int, out: Path) -> Non
     from rlft.models.compiled import compiled_forwards
     from rlft.rollout.batch import RolloutBatch
     from rlft.rollout.contract import Completion
-    from rlft.training.rl_update import UpdateSettings, batch_logprobs, policy_update
+    from rlft.training.online.update import UpdateSettings, batch_logprobs, policy_update
 
     wl = WORKLOADS[name]
     shape = argparse.Namespace(prompts=wl.get("prompts_per_step", 4), prompt_len=wl.get("prompt_tokens", 16),

@@ -138,7 +138,7 @@ def tail(path: str, n: int = 25) -> str:
 
 def rlft_command() -> list[str]:
     script = Path(sys.executable).parent / "rlft"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "rlft.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "rlft.cli.app"]
 
 
 def rlft_training_field(name: str) -> bool:

@@ -30,7 +30,7 @@ import torch
 
 from rlft.api import train
 from rlft.monitor.memory import LiveTensorTracker, track_phase
-from rlft.plan import PlanInput, plan_memory
+from rlft.plan.memory import PlanInput, plan_memory
 
 CASES = {
     # name: (method, lora, training.precision, gradient checkpointing, micro-batch); the precision is
@@ -79,8 +79,8 @@ def lengths(model: Path, root: Path) -> dict[str, int]:
 
 
 def run_case(name: str, model: Path, root: Path, dims: dict[str, int]) -> dict[str, float]:
-    import rlft.training.offline as offline
-    import rlft.training.online as online
+    import rlft.training.offline.loop as offline
+    import rlft.training.online.loop as online
     from rlft.rollout.hf import HFEngine
 
     method, lora, precision, ckpt, micro = CASES[name]
@@ -134,7 +134,7 @@ def qwen7b_table(device: str = "H100 80GB") -> str:
     512 + completion 1024, micro-batch 4, KL reference, hf engine), full and LoRA r=16."""
     from transformers import AutoConfig
 
-    from rlft.plan import GiB, Verdict, device_capacity
+    from rlft.plan.memory import GiB, Verdict, device_capacity
 
     cfg = AutoConfig.from_pretrained(QWEN7B)
     label, capacity = device_capacity(device)

@@ -26,7 +26,7 @@ def _init_per_row_prefill(self, *args, **kwargs):
 hf.HFEngine.__init__ = _init_per_row_prefill
 
 if __name__ == "__main__":
-    from rlft.cli import main
+    from rlft.cli.app import main
 
     sys.argv[0] = "rlft"
     sys.exit(main())

@@ -50,7 +50,7 @@ def child_update(args, model_dir: Path) -> dict:
 
     from rlft.rollout.batch import RolloutBatch
     from rlft.rollout.contract import Completion
-    from rlft.training.rl_update import UpdateSettings, batch_logprobs, policy_update
+    from rlft.training.online.update import UpdateSettings, batch_logprobs, policy_update
 
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

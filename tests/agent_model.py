@@ -57,8 +57,8 @@ def _episode(encoder, tokenizer, a: int, b: int) -> tuple[list[int], list[int]]:
 def build_calculator_model(out: Path, steps: int = 600, seed: int = 0) -> Path:
     """Train the tiny model on the SUMS episodes until greedy decoding replays them, save it to `out`."""
     from rlft.models.tiny import CHATML_TEMPLATE, build_tiny_model
-    from rlft.rollout.tools import load_tools
-    from rlft.rollout.turns import ObservationEncoder
+    from rlft.rollout.agent.tools import load_tools
+    from rlft.rollout.agent.turns import ObservationEncoder
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = build_tiny_model(out, seed=seed)

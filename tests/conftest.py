@@ -147,8 +147,8 @@ def big_and_micro_batches(objective, model, examples, norm: float, micro: int = 
 
 
 def run_main(monkeypatch, capsys, *args: str) -> subprocess.CompletedProcess:
-    """`rlft ARGS` in this process through the real entry point `rlft.cli:main`."""
-    from rlft.cli import main
+    """`rlft ARGS` in this process through the real entry point `rlft.cli.app:main`."""
+    from rlft.cli.app import main
 
     monkeypatch.setattr(sys, "argv", ["rlft", *args])
     monkeypatch.setenv("COLUMNS", "250")
@@ -216,7 +216,7 @@ def sft_run(tmp_path_factory, qwen_path, sft_data):
 
     from rlft.config import load_config
     from rlft.models.loading import load_policy
-    from rlft.training.offline import make_objective, run_offline
+    from rlft.training.offline.loop import make_objective, run_offline
 
     root = tmp_path_factory.mktemp("sft_run")
     config = load_config(make_config(
@@ -243,7 +243,7 @@ def no_hub(monkeypatch):
     on machines with and without network; the once-per-process reachability probe starts fresh."""
     from huggingface_hub import constants
 
-    from rlft import hub
+    from rlft.models import hub
 
     endpoint = "http://127.0.0.1:9"  # the discard port: nothing listens there
     monkeypatch.setattr(constants, "ENDPOINT", endpoint)

@@ -78,7 +78,7 @@ class ReplayEngine:
 
 
 def use_replay_engine(tool_calls: bool = False) -> None:
-    import rlft.training.online as online
+    import rlft.training.online.loop as online
     from rlft.rollout.hf import generation_stop_ids
 
     online.rollout_engine = lambda cfg, policy, seed, dtype=None: ReplayEngine(
@@ -88,7 +88,7 @@ def use_replay_engine(tool_calls: bool = False) -> None:
 def main() -> int:
     from rlft.api import train
 
-    import rlft.training.online as online
+    import rlft.training.online.loop as online
 
     args = sys.argv[1:]
     real = online.rollout_engine

@@ -20,10 +20,10 @@ from rlft.errors import ConfigError
 from rlft.models.template import encode_text
 from rlft.rollout.batch import RolloutBatch
 from rlft.rollout.contract import Completion, SamplingParams
-from rlft.rollout.tool_calls import hermes, pick_parser
-from rlft.rollout.tools import calculator, load_tools
-from rlft.rollout.turns import AgentLimits, TurnDriver, episode_metrics
-from rlft.training import rl_update
+from rlft.rollout.agent.tool_calls import hermes, pick_parser
+from rlft.rollout.agent.tools import calculator, load_tools
+from rlft.rollout.agent.turns import AgentLimits, TurnDriver, episode_metrics
+from rlft.training.online import update as rl_update
 
 PROMPT = [{"role": "user", "content": "What is 37 + 48?"}]
 
@@ -125,7 +125,7 @@ def test_the_re_render_check_counts_tokens_a_re_encoding_would_change(tiny):
 
 def test_reward_sits_on_the_last_policy_token_of_a_mask_with_holes():
     from rlft.algorithms import ADVANTAGE_ESTIMATORS
-    from rlft.training.rl_update import token_rewards
+    from rlft.training.online.update import token_rewards
 
     # row 0: sampled, sampled, tool, tool, sampled, then padding -> the reward goes to column 4;
     # `mask.sum() - 1` would have put it on column 2, a sampled token before the tool output.
@@ -162,7 +162,7 @@ class _Recorder:
 
 def _settings(**over):
     from rlft.config import load_config
-    from rlft.training.rl_update import UpdateSettings
+    from rlft.training.online.update import UpdateSettings
 
     cfg = load_config({"method": "grpo", "output_dir": "/tmp/unused", "model": {"path": "x"},
                        "data": {"train": "x"}, "rewards": [{"fn": "math"}],
@@ -173,7 +173,7 @@ def _settings(**over):
 def test_tool_tokens_get_exactly_zero_gradient(tiny, monkeypatch):
     """Policy loss + KL in the loss + entropy bonus: d loss / d log-prob and d loss / d entropy are
     exactly 0 at every tool-token position, and not 0 at sampled ones."""
-    from rlft.training import rl_update
+    from rlft.training.online import update as rl_update
 
     _, policy = tiny
     driver, _ = driver_for(policy, [call_text("calculator", {"expression": "2*21"}), "It is 42."])
@@ -308,7 +308,7 @@ def test_every_failure_kind_is_an_error_observation_and_counted_and_a_hang_is_bo
 
 
 def _tools_from(*fns):
-    from rlft.rollout.tools import Tool, tool_schema
+    from rlft.rollout.agent.tools import Tool, tool_schema
 
     for fn in fns:
         yield Tool(fn.__name__, fn, tool_schema(fn, fn.__name__))
@@ -355,7 +355,7 @@ def test_tool_output_is_cut_by_tokens_with_a_marker(tiny):
 
 
 def test_tools_go_through_the_template_when_it_supports_them(tiny):
-    from rlft.rollout.turns import ObservationEncoder
+    from rlft.rollout.agent.turns import ObservationEncoder
 
     _, policy = tiny
     schemas = [t.schema for t in load_tools(["calculator"])]
@@ -376,7 +376,7 @@ def test_tools_go_through_the_template_when_it_supports_them(tiny):
 def test_prompts_are_checked_for_length_with_the_tool_descriptions(tiny):
     from rlft.data.prompts import prompt_example
     from rlft.errors import DataError
-    from rlft.rollout import check_prompts_with_tools
+    from rlft.rollout.agent import check_prompts_with_tools
 
     _, policy = tiny
     driver, _ = driver_for(policy, [])
@@ -403,7 +403,7 @@ def test_bad_tools_and_unsupported_setups_are_clear_errors(tmp_path):
         load_tools(["calculator", f"{tmp_path / 't.py'}:calculator"])
     with pytest.raises(ConfigError, match="unknown tool"):
         load_tools(["calculater"])
-    from rlft.rollout.turns import ObservationEncoder
+    from rlft.rollout.agent.turns import ObservationEncoder
 
     class DropsTools:  # a template that renders no 'tool' messages: results could never reach the model
         chat_template = ""

@@ -21,9 +21,9 @@ import yaml
 from agent_model import SUMS, prompt_rows
 from conftest import run_main
 from rlft.rollout.contract import Completion, Episode, SamplingParams
-from rlft.rollout.tool_calls import ParsedCall, hermes
-from rlft.rollout.tools import load_tools
-from rlft.rollout.turns import AgentLimits, TurnDriver, episode_counts, episode_metrics
+from rlft.rollout.agent.tool_calls import ParsedCall, hermes
+from rlft.rollout.agent.tools import load_tools
+from rlft.rollout.agent.turns import AgentLimits, TurnDriver, episode_counts, episode_metrics
 
 QUESTIONS = ["What is 2 + 3?", "Count to five.", "Say hi.", "Name a colour."]
 

@@ -66,7 +66,7 @@ def test_rlft_data_agreement_command(tmp_path):
     import typer
     from typer.testing import CliRunner
 
-    from rlft.cli_data import register
+    from rlft.cli.data import register
 
     path = tmp_path / "labelled.jsonl"
     path.write_text("".join(json.dumps({"prompt": "p", "chosen": "a", "rejected": "b", "labels": u}) + "\n"

@@ -98,7 +98,7 @@ def test_sft_reads_a_list_of_sources(root, tmp_path):
     `status == completed` was checked, which a run that read one source twice also passes.)
     rows 12 + 4 = 16 per epoch, batch 4 -> 4 steps are exactly one epoch."""
     from rlft.config import load_config
-    from rlft.training.offline import make_objective, run_offline
+    from rlft.training.offline.loop import make_objective, run_offline
 
     other = write_jsonl(tmp_path / "other.jsonl", arithmetic_rows(8, seed=9))
     config = load_config(make_config(
@@ -146,7 +146,7 @@ def test_sft_mix_moves_a_policy_the_rewards_leave_alone(root):
 
 def test_sft_mix_rows_resume_where_they_stopped():
     from rlft.data.sft_examples import SftExample
-    from rlft.training.sft_mix import SftMix
+    from rlft.training.online.sft_mix import SftMix
 
     examples = [SftExample("row", [1, 2, 3], [0, 1, 1], [], "", {}) for _ in range(10)]
     a = SftMix(examples, 0.1, 3, seed=5, pad_id=0)

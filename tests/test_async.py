@@ -59,12 +59,12 @@ def sequential_oracle(cfg: dict, k: int) -> tuple[list[float], dict[str, torch.T
     the live model, as the synchronous loop always did; k > 0: from a copy holding the full state
     dict of version max(0, b - k)), scored, then `online_step`. Returns (reward/mean per step, final
     weights: the adapter's under LoRA)."""
-    from rlft.memory_fit import fit_memory
+    from rlft.plan.fit import fit_memory
     from rlft.models.loading import Reference, disable_dropout, load_policy, resolve_device
     from rlft.rollout import rollout_engine
-    from rlft.training.collect import collect_rollout
+    from rlft.training.online.collect import collect_rollout
     from rlft.training.distributed import SINGLE
-    from rlft.training.online import build_online, online_step
+    from rlft.training.online.loop import build_online, online_step
     from rlft.training.session import open_run, run_precision, session_for
 
     config = load_config(cfg)
@@ -136,7 +136,7 @@ def test_pacing_gives_every_batch_its_exact_version_whatever_the_timing():
     made from the weights published as version max(0, b - k), and the loop gets the batches in
     order; a drained state holds batches consumed .. consumed + k."""
     from rlft.training.distributed import SINGLE
-    from rlft.training.rollout_source import AsyncRollouts
+    from rlft.training.online.rollouts import AsyncRollouts
 
     class Counter(torch.nn.Module):  # the "weights": version v holds v
         def __init__(self):
@@ -274,7 +274,7 @@ def test_settings_async_cannot_run_with_are_refused_with_the_reason(root, change
 
 
 def test_a_sampler_device_is_one_process_only(root):
-    from rlft.launch import check_launch
+    from rlft.cli.launch import check_launch
 
     with pytest.raises(ConfigError, match="sampler_device=cuda:1 names one device, and under torchrun"):
         check_launch(load_config(grpo(root, "ranks", 1, rollout={"sampler_device": "cuda:1"})), 2)
@@ -282,7 +282,7 @@ def test_a_sampler_device_is_one_process_only(root):
 
 @pytest.mark.skipif(torch.cuda.device_count() > 1, reason="tests the refusal of a GPU that is not there")
 def test_a_sampler_device_that_is_not_there_is_refused_before_the_model_loads(root, monkeypatch):
-    import rlft.training.online as online
+    import rlft.training.online.loop as online
 
     loaded = []
     monkeypatch.setattr(online, "load_policy", lambda *a, **k: loaded.append(a))
@@ -295,7 +295,7 @@ def test_a_named_sampler_device_gets_the_copy_and_samples_what_auto_does(root, m
     """rollout.sampler_device places the sampler's copy (and so its engine's rows) on that device;
     named as the trainer's own (the only one on a CPU machine) the run is the auto run, bitwise.
     On CUDA, benchmarks/gpu_check.py runs it on a second GPU."""
-    import rlft.training.online as online
+    import rlft.training.online.loop as online
 
     placed = []
     real = online.sampler_copy

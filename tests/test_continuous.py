@@ -19,9 +19,9 @@ from agent_model import SUMS, question
 from rlft.rollout.contract import SamplingParams
 from rlft.rollout.continuous import TurnRequest
 from rlft.rollout.hf import HFEngine, generation_stop_ids
-from rlft.rollout.tool_calls import pick_parser
-from rlft.rollout.tools import load_tools
-from rlft.rollout.turns import AgentLimits, TurnDriver
+from rlft.rollout.agent.tool_calls import pick_parser
+from rlft.rollout.agent.tools import load_tools
+from rlft.rollout.agent.turns import AgentLimits, TurnDriver
 
 TOL = 1e-5  # fp32 log-probs of a token computed in another batch
 
@@ -155,7 +155,7 @@ def test_waiting_on_tools_sleeps_until_an_episode_can_go_on():
     """When every episode waits on a tool the driver sleeps until all of one episode's calls are
     ready (not polling, not waking for an episode still waiting on its second call), and a call
     past its time limit counts as ready."""
-    from rlft.rollout.tools import PendingCall, Tool, start_call
+    from rlft.rollout.agent.tools import PendingCall, Tool, start_call
 
     def nap(seconds: float) -> str:
         time.sleep(seconds)

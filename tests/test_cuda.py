@@ -51,7 +51,7 @@ def test_qlora_loads_real_4bit_weights_and_trains_a_grpo_step(tmp_path, qwen_pat
     """The base model's linear layers are bitsandbytes Linear4bit (nf4), the LoRA adapters train
     (they move), the 4-bit base does not."""
     bnb = pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (pip install 'rlft[qlora]')")
-    import rlft.training.online as online
+    import rlft.training.online.loop as online
 
     seen = {}
     load = online.load_policy
@@ -233,7 +233,7 @@ def cuda_sft_plan(model_path: Path, batch: int, seq_len: int, completion_len: in
     """The planner's figure for the CUDA SFT run below (fp32, one micro-batch of `batch` rows)."""
     from transformers import AutoConfig
 
-    from rlft.plan import PlanInput, plan_memory
+    from rlft.plan.memory import PlanInput, plan_memory
 
     return plan_memory(AutoConfig.from_pretrained(model_path), PlanInput(
         method="sft", precision="fp32", param_dtype="fp32", device_type="cuda", micro_batch_size=batch,

@@ -45,7 +45,7 @@ def held_out_reverse_kl(student_path, teacher_path, prompts) -> float:
     from rlft.rollout import build_engine
     from rlft.rollout.batch import RolloutBatch
     from rlft.rollout.contract import SamplingParams
-    from rlft.training.rl_update import batch_logprobs
+    from rlft.training.online.update import batch_logprobs
 
     student = load_policy(ModelConfig(path=str(student_path), dtype="fp32"), LoraConfig())
     teacher = load_policy(ModelConfig(path=str(teacher_path), dtype="fp32"), LoraConfig())

@@ -83,7 +83,7 @@ def launch(*configs: Path, replay: bool = True, ranks: int = 2, env: dict | None
 def in_process(cfg: Path, replay: bool = True, tool_calls: bool = False) -> dict:
     """A single-process run in this process (the reference the ranks are compared with);
     `tool_calls`: the replay engine writes calculator calls (dist_driver's `replay-calls`)."""
-    import rlft.training.online as online
+    import rlft.training.online.loop as online
     from dist_driver import use_replay_engine
     from rlft.api import train
 
@@ -512,7 +512,7 @@ def test_sigterm_to_the_launcher_stops_every_rank_with_a_checkpoint(root):
 
 RANK = """
 import os, sys, time
-from rlft.torchrun import watch_parent
+from rlft.training.torchrun import watch_parent
 
 watch_parent(grace_s=5, poll_s=0.2)
 open(os.path.join(sys.argv[1], os.environ["RANK"]), "w").close()
@@ -532,7 +532,7 @@ def test_a_stopped_or_killed_launcher_leaves_no_rank_behind(tmp_path):
         ready = tmp_path / case.replace(" ", "-")
         ready.mkdir()
         entry = [str(tmp_path / "rank.py"), str(ready)]
-        launch = f"import sys; from rlft.launch import run_torchrun; sys.exit(run_torchrun(2, {entry!r}, 30))"
+        launch = f"import sys; from rlft.cli.launch import run_torchrun; sys.exit(run_torchrun(2, {entry!r}, 30))"
         launchers[case] = subprocess.Popen([sys.executable, "-c", launch], env=ENV, stdout=subprocess.PIPE,
                                            stderr=subprocess.STDOUT, text=True)
     below: dict[str, list[int]] = {}
@@ -565,7 +565,7 @@ def test_a_stopped_or_killed_launcher_leaves_no_rank_behind(tmp_path):
 def no_torchrun(monkeypatch) -> list:
     """Launches that got past the launcher's checks (recorded, not started)."""
     started = []
-    monkeypatch.setattr("rlft.launch.run_torchrun", lambda *args: started.append(args) or 0)
+    monkeypatch.setattr("rlft.cli.launch.run_torchrun", lambda *args: started.append(args) or 0)
     return started
 
 
@@ -592,7 +592,7 @@ def test_the_launcher_checks_the_run_once_before_starting_ranks(root, monkeypatc
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert len(no_torchrun) == 1 and no_torchrun[0][1] == ["-m", "rlft", "train", str(cfg)]
     # one whose plan cannot fit the RAM its 2 ranks share, even with every memory saver, stops here
-    monkeypatch.setattr("rlft.memory_fit._meminfo_available", lambda: 1 << 20)  # 1 MiB of RAM left
+    monkeypatch.setattr("rlft.plan.fit._meminfo_available", lambda: 1 << 20)  # 1 MiB of RAM left
     short = assert_clean_user_error(run_main(monkeypatch, capsys, "train", "--nproc", "2", str(cfg)))
     assert "split over 2 ranks" in short and "before loading" in short
     assert len(no_torchrun) == 1

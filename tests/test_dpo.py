@@ -19,8 +19,8 @@ from rlft.data.pairs import collate_pairs, make_preference_encoder
 from rlft.errors import ConfigError
 from rlft.models.loading import LoadedModel, Reference, load_policy, load_tokenizer
 from rlft.models.template import end_of_turn_ids
-from rlft.training.dpo_objective import DpoObjective, sequence_logprobs
-from rlft.training.offline import make_objective, run_offline
+from rlft.training.offline.dpo import DpoObjective, sequence_logprobs
+from rlft.training.offline.loop import make_objective, run_offline
 
 
 def varied_pairs(n: int, seed: int = 0) -> list[dict]:

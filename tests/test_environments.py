@@ -18,11 +18,11 @@ from conftest import ScriptedEngine, assert_clean_user_error, call_text, run_mai
 from rlft.errors import ConfigError, EnvironmentFailed, TrainingHalted
 from rlft.rollout.batch import RolloutBatch
 from rlft.rollout.contract import SamplingParams
-from rlft.rollout.environments import EpisodeRow, load_environment
+from rlft.rollout.agent.environments import EpisodeRow, load_environment
 from rlft.rollout.seeds import stream_seed
-from rlft.rollout.tool_calls import pick_parser
-from rlft.rollout.tools import load_tools
-from rlft.rollout.turns import AgentLimits, TurnDriver, episode_metrics
+from rlft.rollout.agent.tool_calls import pick_parser
+from rlft.rollout.agent.tools import load_tools
+from rlft.rollout.agent.turns import AgentLimits, TurnDriver, episode_metrics
 
 PROMPT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Let's play."}]
 

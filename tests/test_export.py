@@ -16,7 +16,7 @@ from rlft.config import LoraConfig, ModelConfig, load_config
 from rlft.errors import TemplateMismatchError
 from rlft.models.loading import load_policy, load_tokenizer
 from rlft.models.template import TEMPLATE_RECORD, encode_prompt, template_record
-from rlft.training.offline import run_offline
+from rlft.training.offline.loop import run_offline
 
 
 def _batch(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The memory fit `rlft train` runs before loading weights (rlft.memory_fit), on the tiny model with
+"""The memory fit `rlft train` runs before loading weights (rlft.plan.fit), on the tiny model with
 an explicit `training.memory_limit_gb`: it keeps the fast path when the plan fits, turns on the
 cheapest memory savers that fit when it does not (never a setting the config wrote), and stops with
 one error before loading anything when nothing fits.
@@ -19,7 +19,7 @@ from conftest import write_jsonl
 from rlft.api import train
 from rlft.config import load_config
 from rlft.errors import RlftError
-from rlft.memory_fit import fit_memory
+from rlft.plan.fit import fit_memory
 from rlft.training.distributed import World
 
 
@@ -88,7 +88,7 @@ def test_the_heap_keeps_its_freed_pages_only_where_memory_is_plentiful(qwen_path
     import torch
 
     import rlft.training.host_memory as host_memory
-    import rlft.training.online as online
+    import rlft.training.online.loop as online
 
     roomy = _fit(_config(qwen_path, data, tmp_path / "a", 1.0))  # 68.0 MiB of 921.6 usable
     assert roomy.roomy and roomy.changes == {} and roomy.record["keeps_freed_pages"] is True
@@ -110,7 +110,7 @@ def test_the_heap_keeps_its_freed_pages_only_where_memory_is_plentiful(qwen_path
 
 
 def test_nothing_fits_is_one_error_before_the_run_starts(qwen_path, data, tmp_path, monkeypatch):
-    import rlft.training.online as online
+    import rlft.training.online.loop as online
 
     monkeypatch.setattr(online, "run_online", lambda *a, **k: pytest.fail("the run started"))
     out = tmp_path / "run"
@@ -129,13 +129,13 @@ def test_nothing_fits_is_one_error_before_the_run_starts(qwen_path, data, tmp_pa
 
 
 def test_micro_batches_that_keep_the_matmuls_busy_cost_less_than_thin_ones(qwen_path, data, tmp_path):
-    # measured (memory_fit.py): an extra pass over the weights costs ~1% of the step while a
+    # measured (plan/fit.py): an extra pass over the weights costs ~1% of the step while a
     # micro-batch holds >= BUSY_TOKENS tokens; thinner micro-batches are priced at 5% per pass
     from dataclasses import replace
 
-    from rlft.cli_plan import plan_input_from_config
-    from rlft.memory_fit import BUSY_TOKENS, COST_MICRO, COST_THIN_MICRO, _options
-    from rlft.plan_lengths import data_lengths
+    from rlft.cli.plan import plan_input_from_config
+    from rlft.plan.fit import BUSY_TOKENS, COST_MICRO, COST_THIN_MICRO, _options
+    from rlft.plan.lengths import data_lengths
 
     def costs(max_new_tokens):
         config = load_config(_config(qwen_path, data, tmp_path / "run", 0.04,
@@ -171,7 +171,7 @@ def _fake_cgroups(root, proc_lines, files):
 
 
 def test_a_cgroup_v2_limit_is_read_up_the_hierarchy(tmp_path):
-    from rlft.memory_fit import cgroup_memory_left
+    from rlft.plan.fit import cgroup_memory_left
 
     gib = 2**30
     proc, fs = _fake_cgroups(tmp_path, ["0::/pod/box"], {
@@ -185,7 +185,7 @@ def test_a_cgroup_v2_limit_is_read_up_the_hierarchy(tmp_path):
 
 
 def test_a_cgroup_v1_limit_and_no_limit(tmp_path):
-    from rlft.memory_fit import cgroup_memory_left
+    from rlft.plan.fit import cgroup_memory_left
 
     gib = 2**30
     proc, fs = _fake_cgroups(tmp_path, ["5:cpu,cpuacct:/x", "4:memory:/job/run", "0::/"], {
@@ -201,7 +201,7 @@ def test_a_cgroup_v1_limit_and_no_limit(tmp_path):
 
 
 def test_the_least_of_ram_cgroup_and_address_space_is_the_budget(qwen_path, data, tmp_path, monkeypatch):
-    import rlft.memory_fit as mf
+    import rlft.plan.fit as mf
 
     gib = 2**30
     config = load_config(_config(qwen_path, data, tmp_path / "run", None))  # fp32: 0.75 GiB kept for the runtime
@@ -224,10 +224,10 @@ def test_the_least_of_ram_cgroup_and_address_space_is_the_budget(qwen_path, data
 def test_against_ram_the_allocators_slack_grows_with_the_micro_batch(qwen_path, data, tmp_path, monkeypatch):
     # RAM and cgroups count what the allocator keeps resident: SLACK_LAYERS layers' activations of
     # one micro-batch beside the plan, so fewer rows per micro-batch need less beside it
-    import rlft.memory_fit as mf
-    from rlft.cli_plan import plan_input_from_config, read_model_config
-    from rlft.plan import micro_batch_layer_bytes, plan_memory
-    from rlft.plan_lengths import data_lengths
+    import rlft.plan.fit as mf
+    from rlft.cli.plan import plan_input_from_config, read_model_config
+    from rlft.plan.memory import micro_batch_layer_bytes, plan_memory
+    from rlft.plan.lengths import data_lengths
 
     config = load_config(_config(qwen_path, data, tmp_path / "run", None))
     cpu = __import__("torch").device("cpu")
@@ -248,7 +248,7 @@ def test_against_ram_the_allocators_slack_grows_with_the_micro_batch(qwen_path, 
 
 
 def test_an_online_run_trims_the_heap_only_when_told(qwen_path, data, tmp_path, monkeypatch):
-    import rlft.training.online as online
+    import rlft.training.online.loop as online
 
     trims = []
     monkeypatch.setattr(online, "release_free_heap", trims.append)

@@ -129,7 +129,7 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path, qwen_path, 
 
 
 def test_the_exit_status_follows_the_signal_named_in_the_summary():
-    from rlft.cli import _signal_number
+    from rlft.cli.app import _signal_number
 
     assert 128 + _signal_number("SIGTERM") == 143 and 128 + _signal_number(None) == 130
 

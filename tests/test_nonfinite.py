@@ -13,7 +13,7 @@ from rlft.config import load_config
 from rlft.errors import TrainingHalted
 from rlft.models.loading import load_policy
 from rlft.models.tiny import build_tiny_model
-from rlft.training.offline import run_offline
+from rlft.training.offline.loop import run_offline
 from rlft.training.session import open_run, session_for
 
 

@@ -146,7 +146,7 @@ def _tiny_batch(setup, **sampling):
     from rlft.rollout.contract import SamplingParams
     from rlft.rollout.batch import RolloutBatch
     from rlft.rollout.hf import HFEngine
-    from rlft.training.rl_update import token_rewards
+    from rlft.training.online.update import token_rewards
 
     policy = load_policy(ModelConfig(path=str(setup / "model")), LoraConfig())
     engine = HFEngine(policy.model, policy.tokenizer, end_of_turn_ids(policy.tokenizer), policy.device, seed=0)
@@ -163,7 +163,7 @@ def _tiny_batch(setup, **sampling):
 def test_micro_batches_give_the_same_gradient(setup):
     """One update over 32 completions, in one forward or in micro-batches of 5 (sorted by length,
     re-padded): the same gradient, because every part divides by the global normaliser."""
-    from rlft.training.rl_update import UpdateSettings, policy_update
+    from rlft.training.online.update import UpdateSettings, policy_update
 
     policy, batch, adv = _tiny_batch(setup, max_new_tokens=12)
     grads = []
@@ -221,7 +221,7 @@ def test_presets_train(setup, method, monkeypatch):
     a run with no optimizer step passed.) With the KL in the reward (rloo, reinforce_pp), the
     token rewards the advantage estimator sees are the sequence reward minus beta x k1 against the
     starting weights, and the logged `kl` is the mean of that k1."""
-    from rlft.training import online
+    from rlft.training.online import loop as online
     from rlft.training.session import TrainingSession
 
     steps, seen = [], []
@@ -261,7 +261,7 @@ def test_presets_train(setup, method, monkeypatch):
         return
     from rlft.config import LoraConfig, ModelConfig
     from rlft.models.loading import load_policy
-    from rlft.training.rl_update import batch_logprobs
+    from rlft.training.online.update import batch_logprobs
 
     start = load_policy(ModelConfig(path=str(setup / "model"), dtype="fp32"), LoraConfig()).model  # the reference
     for row, (rewards, batch, penalty, token_rewards) in zip(rows, seen):
@@ -354,7 +354,7 @@ def test_mask_truncated_gradient_is_that_of_the_uncut_rows_alone(setup):
     """On a batch with cut and uncut completions (a stop string ends some early): the masked update's
     gradient equals the unmasked gradient of the uncut rows alone (their tokens are the normaliser),
     and differs from the unmasked gradient of the whole batch, so the cut rows did count before."""
-    from rlft.training.rl_update import UpdateSettings, policy_update
+    from rlft.training.online.update import UpdateSettings, policy_update
 
     policy, batch, adv = _tiny_batch(setup, max_new_tokens=8, stop=("a",))
     cut = batch.truncated
@@ -407,7 +407,7 @@ def test_sample_lines_show_model_text_verbatim(reward, shown):
     from rich.console import Console
 
     from rlft.rewards.scores import Scores
-    from rlft.training.online import _log_samples
+    from rlft.training.online.loop import _log_samples
 
     out = io.StringIO()
     console = Console(file=out, width=400)
@@ -491,7 +491,7 @@ def test_on_policy_ratio_is_exactly_one_with_lora_dropout_configured(setup):
 
 
 def test_drift_is_read_before_any_update_and_warns_only_on_engine_mismatch(setup, monkeypatch, capsys):
-    import rlft.training.online as online
+    import rlft.training.online.loop as online
 
     # mu = 2 epochs x 2 minibatches: later minibatches see a moved policy (intended drift)
     row = _first_row(setup, "drift-mu", training={"max_steps": 1}, algorithm={"epochs": 2, "minibatches": 2})
@@ -528,7 +528,7 @@ def test_drift_is_read_before_any_update_and_warns_only_on_engine_mismatch(setup
 
 
 def test_no_reference_model_is_built_when_no_kl_term_uses_it(setup, monkeypatch):
-    import rlft.training.online as online
+    import rlft.training.online.loop as online
 
     def refuse(policy):
         raise AssertionError("a reference model was built for a run without a KL term")

@@ -14,8 +14,8 @@ from rlft.models.forward import completion_logprobs, lm_head, sft_token_nll
 from rlft.models.packing import pack_rows
 from rlft.rollout.batch import RolloutBatch
 from rlft.rollout.contract import Completion
-from rlft.training.dpo_objective import sequence_logprobs
-from rlft.training.rm_objective import pair_scores
+from rlft.training.offline.dpo import sequence_logprobs
+from rlft.training.offline.reward_model import pair_scores
 
 # prompts of 2-6 tokens, completions of 1-9: a batch with both left and right padding
 PROMPTS = [[5, 9, 31, 7], [12, 40], [3, 3, 8, 100, 101, 102], [60, 61, 62]]
@@ -177,7 +177,7 @@ def test_policy_update_packed_equals_padded(qwen_path):
     gives the same gradient padded and packed."""
     from transformers import AutoModelForCausalLM
 
-    from rlft.training.rl_update import UpdateSettings, policy_update
+    from rlft.training.online.update import UpdateSettings, policy_update
 
     model = AutoModelForCausalLM.from_pretrained(qwen_path, dtype=torch.float32).train()
     batch = rollout()

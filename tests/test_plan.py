@@ -10,7 +10,7 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from rlft.plan import (GiB, ModelShape, PlanInput, Verdict, advise, device_capacity, layer_activation_bytes,
+from rlft.plan.memory import (GiB, ModelShape, PlanInput, Verdict, advise, device_capacity, layer_activation_bytes,
                        plan_memory)
 
 QWEN7B = Path(__file__).parent / "fixtures" / "qwen2.5-7b"
@@ -106,7 +106,7 @@ def test_async_rollouts_hold_the_sampler_while_training(qwen7b):
 
 
 def test_the_plan_reads_the_sampler_device_from_the_config(tmp_path):
-    from rlft.cli_plan import plan_input_from_config
+    from rlft.cli.plan import plan_input_from_config
     from rlft.config import load_config
 
     def elsewhere(model_device, sampler_device):
@@ -182,7 +182,7 @@ def test_bad_inputs_are_named():
 
 
 def test_rlft_plan_command(tmp_path):
-    from rlft.cli_plan import plan_input_from_config, register
+    from rlft.cli.plan import plan_input_from_config, register
     from rlft.config import load_config
 
     cfg = {"method": "grpo", "output_dir": str(tmp_path / "run"), "model": {"path": str(QWEN7B), "dtype": "bf16"},
@@ -205,13 +205,13 @@ def test_rlft_plan_command(tmp_path):
 
 def test_plan_lengths_come_from_the_data(qwen_path, tmp_path):
     from conftest import write_jsonl
-    from rlft.cli_plan import plan_input_from_config, plan_report
+    from rlft.cli.plan import plan_input_from_config, plan_report
     from rlft.config import ModelConfig, load_config
     from rlft.data.sft_examples import make_sft_encoder
     from rlft.data.readers import read_rows
     from rlft.models.loading import load_tokenizer
     from rlft.models.template import encode_prompt, end_of_turn_ids
-    from rlft.plan_lengths import data_lengths
+    from rlft.plan.lengths import data_lengths
 
     short, long = "Count to 5.", "Count to 5, then back to 1, and say each number twice."
     write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": short}, {"prompt": long}, {"prompt": short}])
@@ -242,7 +242,7 @@ def test_plan_lengths_come_from_the_data(qwen_path, tmp_path):
 def test_shared_prefix_counts_each_prompt_once_per_segment():
     """training.shared_prefix in the plan: a micro-batch of 16 rows (two groups of 8), prompts of
     512 tokens and 128 completion tokens."""
-    from rlft.plan import shared_prefix_tokens
+    from rlft.plan.memory import shared_prefix_tokens
 
     tiny = ModelShape.from_config(dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                                        num_attention_heads=4, num_key_value_heads=4, vocab_size=512))

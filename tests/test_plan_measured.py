@@ -15,7 +15,7 @@ import torch
 
 from rlft.api import train
 from rlft.monitor.memory import LiveTensorTracker, track_phase
-from rlft.plan import PlanInput, plan_memory
+from rlft.plan.memory import PlanInput, plan_memory
 
 TOLERANCE = 0.25
 
@@ -78,8 +78,8 @@ def data(tmp_path_factory):
 
 
 def _measure(config: dict) -> tuple[int, dict[str, int]]:
-    import rlft.training.offline as offline
-    import rlft.training.online as online
+    import rlft.training.offline.loop as offline
+    import rlft.training.online.loop as online
     from rlft.rollout.hf import HFEngine
 
     tracker = LiveTensorTracker()

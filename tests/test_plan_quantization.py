@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlft.plan import NF4_BYTES_PER_PARAM, GiB, ModelShape, PlanInput, advise, plan_memory
+from rlft.plan.memory import NF4_BYTES_PER_PARAM, GiB, ModelShape, PlanInput, advise, plan_memory
 
 QWEN7B = Path(__file__).parent / "fixtures" / "qwen2.5-7b"
 QLORA = dict(lora=True, quantization="4bit", param_dtype="fp32", precision="fp32")
@@ -79,7 +79,7 @@ def test_advice_offers_qlora_when_it_helps(qwen7b):
 
 
 def test_plan_input_from_a_4bit_config(tmp_path):
-    from rlft.cli_plan import plan_input_from_config, plan_report
+    from rlft.cli.plan import plan_input_from_config, plan_report
     from rlft.config import load_config
 
     cfg = {"method": "sft", "output_dir": str(tmp_path / "run"),

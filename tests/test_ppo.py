@@ -74,7 +74,7 @@ def test_critic_warmup_trains_only_the_critic(setup, kind, lr, monkeypatch):
     each warm-up batch the critic's values move toward the returns (their MSE falls). It used to
     check that a fresh head is non-zero (true before any training) and value/mse >= 0 (always).
     A reward offset of 1 puts the returns far from a fresh head's values, so there is a way to go."""
-    from rlft.training import critic as critics
+    from rlft.training.online import critic as critics
     from rlft.training.distributed import SINGLE
 
     cls = critics.SeparateCritic if kind == "separate" else critics.SharedValueHead
@@ -143,8 +143,8 @@ def test_gae_and_value_targets_run_over_model_tokens_only_across_the_tool_gap():
     from rlft.config import CriticConfig, load_config
     from rlft.rollout.batch import RolloutBatch
     from rlft.rollout.contract import Completion
-    from rlft.training.critic import _ValueTargets
-    from rlft.training.rl_update import UpdateSettings, token_rewards
+    from rlft.training.online.critic import _ValueTargets
+    from rlft.training.online.update import UpdateSettings, token_rewards
 
     settings = UpdateSettings.from_config(load_config({
         "method": "ppo", "output_dir": "/tmp/unused", "model": {"path": "x"}, "data": {"train": "x"},
@@ -192,11 +192,11 @@ def test_ppo_trains_on_agent_episodes_with_tool_tokens(setup, kind, lr, monkeypa
     scripted, since a tiny random model almost never writes a valid call): the batch GAE sees has
     a hole where the tool result sits, returns there are 0, the policy's weights move and the
     critic fits the (repeating) returns."""
-    from rlft.rollout.tool_calls import hermes
-    from rlft.rollout.tools import load_tools
-    from rlft.rollout.turns import AgentLimits, TurnDriver
-    from rlft.training import critic as critics
-    from rlft.training import online
+    from rlft.rollout.agent.tool_calls import hermes
+    from rlft.rollout.agent.tools import load_tools
+    from rlft.rollout.agent.turns import AgentLimits, TurnDriver
+    from rlft.training.online import critic as critics
+    from rlft.training.online import loop as online
     from test_agents import ScriptedEngine, call_text
 
     steps = 3

@@ -228,7 +228,7 @@ def test_a_torn_manifest_in_the_newest_checkpoint_resumes_from_the_one_before(ro
 
 
 def test_resume_with_nothing_left_to_train_says_so_and_fails(root, capsys, monkeypatch):
-    from rlft.cli import main
+    from rlft.cli.app import main
 
     run = root / "sft-full-ref"
     if not run.exists():

@@ -20,8 +20,8 @@ from rlft.data.pairs import PreferenceExample, TokenSequence, collate_pairs, mak
 from rlft.models.loading import load_reward_model, load_tokenizer
 from rlft.models.template import end_of_turn_ids
 from rlft.rewards.scoring import RewardScorer
-from rlft.training.rm_objective import RewardModelObjective, pair_scores
-from rlft.training.offline import make_objective
+from rlft.training.offline.reward_model import RewardModelObjective, pair_scores
+from rlft.training.offline.loop import make_objective
 
 
 def rm_config(model_path, train, out, **sections):

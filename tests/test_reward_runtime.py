@@ -92,7 +92,7 @@ def test_one_ctrl_c_stops_a_hung_reward_within_seconds_with_a_checkpoint(setup):
     cfg_path = setup / "sigint.yaml"
     cfg_path.write_text(yaml.safe_dump(_config(setup, "sigint", "hang_in_step_2", scoring={"timeout_s": 600})))
     env = {**os.environ, "PYTHONPATH": SRC, "RLFT_TEST_MARKER": str(marker), "COLUMNS": "200"}
-    proc = subprocess.Popen([sys.executable, "-m", "rlft.cli", "train", str(cfg_path)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "rlft.cli.app", "train", str(cfg_path)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     try:
         deadline = time.monotonic() + 120

@@ -85,7 +85,7 @@ def test_rlft_data_pairs_command(tmp_path, qwen_path, monkeypatch):
     import yaml
     from typer.testing import CliRunner
 
-    import rlft.cli_data as cli_data
+    import rlft.cli.data as cli_data
     from rlft.config import ModelConfig
     from rlft.models.loading import load_tokenizer
     from rlft.models.template import encode_prompt

@@ -53,7 +53,7 @@ def test_the_engine_in_a_process_returns_what_the_engine_in_process_returns(tmp_
     from rlft.rollout import build_engine
     from rlft.rollout.contract import SamplingParams
     from rlft.rollout.sampler_process import ProcessEngine, SamplerProcessFailed
-    from rlft.training.rollout_source import sampler_copy
+    from rlft.training.online.rollouts import sampler_copy
 
     build_tiny_model(tmp_path / "model", seed=0)
     policy = load_policy(ModelConfig(path=str(tmp_path / "model")), LoraConfig())

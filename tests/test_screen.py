@@ -108,7 +108,7 @@ class FakePlumbing:
 
 
 def test_rlft_data_screen_command(tmp_path, qwen_path, monkeypatch):
-    import rlft.cli_data as cli_data
+    import rlft.cli.data as cli_data
     from rlft.config import ModelConfig
     from rlft.models.loading import load_tokenizer
 

@@ -21,8 +21,8 @@ from rlft.data.sft_examples import make_sft_encoder
 from rlft.errors import DataError
 from rlft.models.loading import load_policy, load_tokenizer
 from rlft.models.template import end_of_turn_ids
-from rlft.training.offline import run_offline
-from rlft.training.sft_objective import SftObjective
+from rlft.training.offline.loop import run_offline
+from rlft.training.offline.sft import SftObjective
 
 
 def varied_rows(n: int, seed: int) -> list[dict]:

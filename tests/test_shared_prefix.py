@@ -179,7 +179,7 @@ def test_a_model_that_ignores_the_mask_keeps_the_plain_layout(qwen_path, monkeyp
 
 
 def _settings(mode, **changes):
-    from rlft.training.rl_update import UpdateSettings
+    from rlft.training.online.update import UpdateSettings
 
     base = dict(temperature=1.0, advantage="group_norm", std_floor=1e-4, gamma=1.0, lam=1.0, kl_in_reward=False,
                 clip_low=0.2, clip_high=0.2, dual_clip=None, kl_estimator="k3", kl_in_loss=True, entropy_coef=0.01,
@@ -212,7 +212,7 @@ def test_policy_update_and_reference_shared_equal_plain(qwen_path, adapters):
     split over micro-batches; two epochs (old log-probs from a no-grad pass, as the reference's)."""
     from transformers import AutoModelForCausalLM
 
-    from rlft.training.rl_update import batch_logprobs, policy_update
+    from rlft.training.online.update import batch_logprobs, policy_update
 
     model = AutoModelForCausalLM.from_pretrained(qwen_path, dtype=torch.float32).train()
     model = lora(model) if adapters else model
@@ -236,7 +236,7 @@ def test_policy_update_and_reference_shared_equal_plain(qwen_path, adapters):
 
 def test_separate_critic_values_and_gradients_shared_equal_plain(qwen_path, tmp_path):
     from rlft.config import load_config
-    from rlft.training.critic import SeparateCritic
+    from rlft.training.online.critic import SeparateCritic
 
     config = load_config({"method": "ppo", "output_dir": str(tmp_path), "model": {"path": str(qwen_path)},
                           "data": {"train": str(tmp_path / "unused.jsonl")}, "critic": {"kind": "separate"},

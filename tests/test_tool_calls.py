@@ -11,9 +11,9 @@ import pytest
 
 from rlft.errors import ConfigError
 from rlft.rollout.contract import SamplingParams
-from rlft.rollout.tool_calls import PARSERS, detect_parser, hermes, llama3_json, pick_parser
-from rlft.rollout.tools import load_tools
-from rlft.rollout.turns import AgentLimits, ObservationEncoder, TurnDriver, episode_metrics
+from rlft.rollout.agent.tool_calls import PARSERS, detect_parser, hermes, llama3_json, pick_parser
+from rlft.rollout.agent.tools import load_tools
+from rlft.rollout.agent.turns import AgentLimits, ObservationEncoder, TurnDriver, episode_metrics
 from test_agents import PROMPT, ScriptedEngine, call_text, driver_for
 
 # Written for these tests in the Llama 3.1 tool style: a system header, the instruction to answer
@@ -113,8 +113,9 @@ def test_agent_tools_prompt_replaces_the_block_in_rollouts_and_sft_alike(qwen_pa
     from conftest import make_config
     from rlft.config import load_config
     from rlft.data.sft_examples import row_messages
-    from rlft.rollout import tool_transcripts, turn_driver
-    from rlft.rollout.turns import TOOLS_BLOCK, signature, tools_block
+    from rlft.data.tool_transcripts import tool_transcripts
+    from rlft.rollout.agent import turn_driver
+    from rlft.rollout.agent.turns import TOOLS_BLOCK, signature, tools_block
 
     [schema] = [t.schema for t in load_tools(["calculator"])]
     assert signature(schema) == "calculator(expression: string): Evaluate an arithmetic expression."
@@ -191,7 +192,7 @@ def test_a_failed_call_is_observed_or_ends_the_episode_by_setting(qwen_path, on_
         assert metrics["agent/ended_on_error"] == 1.0
     # the setting reaches the driver from config; anything else is refused, naming the field
     from rlft.config import load_config
-    from rlft.rollout import turn_driver
+    from rlft.rollout.agent import turn_driver
 
     base = {"method": "grpo", "output_dir": "/tmp/unused", "model": {"path": "x"}, "data": {"train": "x"},
             "rewards": [{"fn": "math"}]}

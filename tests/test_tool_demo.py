@@ -9,7 +9,7 @@ import json
 import pytest
 
 from rlft.demo import tool_use as tu
-from rlft.rollout.tool_calls import llama3_json
+from rlft.rollout.agent.tool_calls import llama3_json
 
 
 def test_data_keeps_held_out_problems_out_of_sft_and_rl_and_calls_parse_back(tmp_path):

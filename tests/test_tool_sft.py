@@ -18,10 +18,10 @@ from rlft.errors import DataError
 from rlft.models.loading import load_tokenizer
 from rlft.models.template import end_of_turn_ids, render
 from rlft.rollout.contract import SamplingParams
-from rlft.rollout.tool_calls import ParsedCall, hermes, llama3_json, pick_parser, pick_writer, write_hermes, \
+from rlft.rollout.agent.tool_calls import ParsedCall, hermes, llama3_json, pick_parser, pick_writer, write_hermes, \
     write_llama3_json
-from rlft.rollout.tools import load_tools
-from rlft.rollout.turns import AgentLimits, TurnDriver
+from rlft.rollout.agent.tools import load_tools
+from rlft.rollout.agent.turns import AgentLimits, TurnDriver
 
 # SmolLM2-Instruct's template: no tool support; `tool` messages become plain turns, `tool_calls`
 # are dropped, and a default system prompt appears when the conversation has none.
@@ -267,7 +267,7 @@ def test_sft_on_tool_transcripts_trains_on_the_calls_and_never_on_the_results(qw
     from rlft import api
     from rlft.config import load_config
     from rlft.models.loading import load_policy
-    from rlft.training.offline import make_objective
+    from rlft.training.offline.loop import make_objective
 
     train = write_jsonl(tmp_path / "tools.jsonl", tool_rows(24))
     held_out = write_jsonl(tmp_path / "held_out.jsonl", tool_rows(28)[24:])
@@ -298,7 +298,7 @@ def test_sft_on_tool_transcripts_trains_on_the_calls_and_never_on_the_results(qw
 def test_the_sft_term_of_rl_with_tools_is_encoded_as_its_episodes(qwen_path, tmp_path):
     """algorithm.sft_mix rows in a run with an agent section: tools presented, calls written, as SFT does."""
     from rlft.config import load_config
-    from rlft.training.sft_mix import build_sft_mix
+    from rlft.training.online.sft_mix import build_sft_mix
 
     rows = write_jsonl(tmp_path / "sft.jsonl", tool_rows(2))
     cfg = load_config({"method": "grpo", "output_dir": str(tmp_path / "run"), "model": {"path": str(qwen_path)},
@@ -329,7 +329,7 @@ class Countdown:
 def test_an_episode_with_an_environment_and_a_tool_is_sft_data_for_the_same_ids(qwen_path, tmp_path):
     """Turn 1 calls the calculator (a tool result follows), turns 2-4 are the environment's actions
     (its observations are user messages): RL's record of the episode, as an SFT row, is its ids."""
-    from rlft.rollout.environments import load_environment
+    from rlft.rollout.agent.environments import load_environment
 
     (tmp_path / "countdown.py").write_text(COUNTDOWN)
     tok = load_tokenizer(ModelConfig(path=str(qwen_path)))

@@ -81,8 +81,8 @@ def test_every_trace_is_valid_sft_data_with_the_calculator(rows, qwen_path):
     from rlft.data.validate import check_rows
     from rlft.models.loading import load_tokenizer
     from rlft.models.template import end_of_turn_ids
-    from rlft.rollout.tool_calls import hermes, write_hermes
-    from rlft.rollout.tools import load_tools
+    from rlft.rollout.agent.tool_calls import hermes, write_hermes
+    from rlft.rollout.agent.tools import load_tools
 
     tok = load_tokenizer(ModelConfig(path=str(qwen_path)))
     encoder = TranscriptEncoder(tok, load_tools(["calculator"]), hermes, write_hermes, 256)

@@ -249,8 +249,8 @@ def test_multi_turn_episodes_continue_from_the_sampled_token_ids(full):
     with the observations between them, loss mask 1 on the sampled ids only. vLLM's log-probs of
     every sampled id equal the trainer's over the whole sequence, so it continued from exactly
     those ids; an episode is the same alone as in a batch (its later turns' streams are named)."""
-    from rlft.rollout.tools import load_tools
-    from rlft.rollout.turns import AgentLimits, TurnDriver
+    from rlft.rollout.agent.tools import load_tools
+    from rlft.rollout.agent.turns import AgentLimits, TurnDriver
     from test_agents_scale import QUESTIONS, calls_on_some_turns
 
     policy, engine, _ = full
@@ -293,8 +293,8 @@ def test_continuous_turns_on_vllm_are_the_rounds_episodes(full):
     ends equal, and a slow call holds up only its own episode."""
     import time
 
-    from rlft.rollout.tools import load_tools
-    from rlft.rollout.turns import AgentLimits, TurnDriver
+    from rlft.rollout.agent.tools import load_tools
+    from rlft.rollout.agent.turns import AgentLimits, TurnDriver
     from test_agents_scale import QUESTIONS, calls_on_some_turns
     from test_continuous import slow_calculator
 

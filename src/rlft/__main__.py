@@ -1,5 +1,5 @@
 """`python -m rlft ...`: the `rlft` command (what torchrun starts: torchrun ... -m rlft train CONFIG)."""
 
-from rlft.cli import main
+from rlft.cli.app import main
 
 main()

@@ -36,7 +36,7 @@ def train(config: Config | dict[str, Any] | str | Path, overrides: list[str] | N
         # FSDP2 cannot shard bitsandbytes' packed parameters
         raise ConfigError("model.quantization=4bit trains on one GPU; run without --nproc / torchrun")
     # the memory plan before any weight loads: the cheapest memory savers that fit, or a clean stop
-    from rlft.memory_fit import fit_memory
+    from rlft.plan.fit import fit_memory
     from rlft.monitor.console import console
 
     fit = fit_memory(cfg, world, device)
@@ -51,11 +51,11 @@ def train(config: Config | dict[str, Any] | str | Path, overrides: list[str] | N
         model = cfg.model.model_copy(update={"device": local_device(cfg.model.device, world)})
         cfg = cfg.model_copy(update={"model": model})
     if cfg.is_online:
-        from rlft.training.online import run_online
+        from rlft.training.online.loop import run_online
 
         summary = run_online(cfg, world, trim_heap=not fit.roomy)
     else:
-        from rlft.training.offline import run_offline
+        from rlft.training.offline.loop import run_offline
 
         summary = run_offline(cfg, world=world)
     if fit.record and world.main:

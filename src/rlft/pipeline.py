@@ -29,7 +29,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rlft.config import Config, apply_override, load_config
-from rlft.config_yaml import load_yaml
+from rlft.config.load import load_yaml
 from rlft.data.readers import looks_like_windows
 from rlft.errors import ConfigError
 from rlft.monitor.catalogue import preflight

@@ -1,4 +1,4 @@
-"""`rlft report` and `rlft compare` through typer, registered on a fresh app as cli.py will do."""
+"""`rlft report` and `rlft compare` through typer, registered on a fresh app as cli/app.py will do."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import typer
 from typer.testing import CliRunner
 
 from monitor.conftest import online_metrics
-from rlft.cli_monitor import register
+from rlft.cli.monitor import register
 
 
 def _app() -> typer.Typer:

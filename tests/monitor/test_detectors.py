@@ -8,7 +8,7 @@ import pytest
 import random
 
 from rlft.monitor.detectors import DETECTORS, History, series
-from rlft.monitor.settings import DETECTOR_NAMES, MonitorConfig
+from rlft.config.monitor import DETECTOR_NAMES, MonitorConfig
 from rlft.monitor.text_stats import batch_repetition_rate
 
 

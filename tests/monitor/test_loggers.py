@@ -15,7 +15,7 @@ import pytest
 
 from rlft.errors import RlftError
 from rlft.monitor.loggers import build_loggers, hyperparameters, missing_packages, mlflow_key, scalar_metrics
-from rlft.monitor.settings import LoggerSettings
+from rlft.config.monitor import LoggerSettings
 
 CONFIG = {"method": "grpo", "seed": 3, "model": {"path": "/m", "revision": None},
           "training": {"learning_rate": 1e-3, "max_steps": 2},
@@ -146,8 +146,8 @@ def test_unknown_backend(tmp_path):
 
 
 def test_importing_the_monitor_loads_no_optional_package():
-    code = ("import sys, rlft.monitor.settings, rlft.monitor.monitor, rlft.monitor.loggers, rlft.monitor.report, "
-            "rlft.monitor.ledger, rlft.cli_monitor; "
+    code = ("import sys, rlft.config.monitor, rlft.monitor.monitor, rlft.monitor.loggers, rlft.monitor.report, "
+            "rlft.monitor.ledger, rlft.cli.monitor; "
             "print(sorted(m for m in ('wandb', 'mlflow', 'tensorboard', 'plotly', 'selenium') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"

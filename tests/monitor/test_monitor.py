@@ -8,7 +8,7 @@ import json
 import pytest
 
 from rlft.monitor.monitor import Monitor
-from rlft.monitor.settings import MonitorConfig
+from rlft.config.monitor import MonitorConfig
 
 
 def _events(run_dir):

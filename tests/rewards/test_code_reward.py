@@ -6,7 +6,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from rlft.cli_sandbox import app as sandbox_app
+from rlft.cli.sandbox import app as sandbox_app
 from rlft.config import RewardSpec
 from rlft.rewards import RewardScorer
 from rlft.rewards.scoring import BUILTIN_REWARDS

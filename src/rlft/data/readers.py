@@ -158,7 +158,7 @@ def _read_hub(name: str, split: str) -> list[Row]:
 
     from datasets import load_dataset
 
-    from rlft.hub import hub_unreachable, offline
+    from rlft.models.hub import hub_unreachable, offline
 
     unreachable = None if os.path.exists(name) else hub_unreachable()  # a local folder needs no hub
     try:

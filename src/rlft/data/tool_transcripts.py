@@ -26,12 +26,19 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from rlft.config import AgentConfig
 from rlft.data.validate import RowError
 from rlft.errors import ConfigError
 from rlft.models.template import Messages, encode_text
-from rlft.rollout.tool_calls import ParsedCall, Parser, Writer
-from rlft.rollout.tools import Tool
-from rlft.rollout.turns import ObservationEncoder, cut_tool_output
+from rlft.rollout.agent.tool_calls import (
+    ParsedCall,
+    Parser,
+    Writer,
+    pick_parser,
+    pick_writer,
+)
+from rlft.rollout.agent.tools import Tool, load_tools
+from rlft.rollout.agent.turns import ObservationEncoder, cut_tool_output
 
 NO_AGENT_FIX = ("set agent.tools to the tools the calls name (and agent.parser if not auto): calls and results "
                 "are then rendered as rollouts parse and insert them, and the prompt shows the tools")
@@ -197,3 +204,10 @@ class TranscriptEncoder:
                              "content": cut_tool_output(self.tokenizer, result["content"],
                                                         self.max_tool_output_tokens)})
         return observed + after[len(results):]
+
+
+def tool_transcripts(cfg: AgentConfig, tokenizer: Any) -> Any:
+    """SFT's view of `agent`: the tools it presents and the call syntax it writes, as rollouts do."""
+    return TranscriptEncoder(tokenizer, load_tools(cfg.tools), pick_parser(cfg.parser, tokenizer.chat_template),
+                             pick_writer(cfg.parser, tokenizer.chat_template), cfg.max_tool_output_tokens,
+                             cfg.tools_prompt)

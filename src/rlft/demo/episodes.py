@@ -74,7 +74,8 @@ def evaluate_episodes(model: str | Path, rows: list[dict[str, Any]], agent: dict
     from rlft.config import AgentConfig, LoraConfig, ModelConfig
     from rlft.models.loading import load_policy
     from rlft.rewards.math import math_reward
-    from rlft.rollout import build_engine, turn_driver
+    from rlft.rollout import build_engine
+    from rlft.rollout.agent import turn_driver
     from rlft.rollout.contract import SamplingParams
 
     policy = load_policy(ModelConfig(path=str(model), device=device), LoraConfig())

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlft.rollout.tools import calculator
+from rlft.rollout.agent.tools import calculator
 
 # Replaces the demo's system prompt (whose worked example never calls) in tool-use prompts.
 TOOL_SYSTEM_PROMPT = ("Solve the math problem. You can use the calculator. End with the final answer, e.g. "

@@ -5,7 +5,7 @@ SmolLM2-135M-Instruct cannot carry in two-digit sums, and given a calculator in 
 it never calls it. The cold start teaches the call syntax and the answer format from transcripts
 in which only some problems are worked with the tool (demo/tool_traces.py); imitation learns to
 guess as often as the annotator did. GRPO then samples whole episodes with the calculator
-(rollout/turns.py) and pays only right final answers (the `math` reward, nothing for format), so
+(rollout/agent/turns.py) and pays only right final answers (the `math` reward, nothing for format), so
 what it can learn is that calling pays. Held-out accuracy is measured on greedy episodes before
 SFT, after SFT and after RL, with the tool-call rate and tool error rate of each
 (demo/episodes.py), on problems no stage trained on (the word-problem demo's disjoint split).

@@ -12,8 +12,8 @@ from rlft.config import EvalConfig
 from rlft.data.prompts import PromptExample
 from rlft.rewards.scoring import RewardScorer, score_completions
 from rlft.rollout.contract import Completion, Engine, SamplingParams
-from rlft.rollout.environments import EpisodeRow
-from rlft.rollout.turns import TurnDriver, episode_metrics
+from rlft.rollout.agent.environments import EpisodeRow
+from rlft.rollout.agent.turns import TurnDriver, episode_metrics
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -17,7 +17,8 @@ from rlft.eval.generation import EvalResult, evaluate_prompts
 from rlft.models.loading import LoadedModel, is_adapter_export, load_adapter_export, load_policy
 from rlft.eval.suites import prepare_suites, run_suites
 from rlft.rewards.scoring import RewardScorer, build_scorer
-from rlft.rollout import agent_driver, build_engine
+from rlft.rollout import build_engine
+from rlft.rollout.agent import agent_driver
 
 
 def resolve_model(target: str | Path) -> tuple[Path, Path | None]:

@@ -15,7 +15,7 @@ from rlft.config import LoraConfig, ModelConfig
 from rlft.errors import ConfigError, RlftError
 from rlft.models.folder_checks import (check_causal_lm, check_lora_targets, check_model_folder, check_tokenizer,
                                        check_tokenizer_folder)
-from rlft.hub import hub_source
+from rlft.models.hub import hub_source
 from rlft.models.template import check_end_of_turn, check_template, set_chat_template, write_template_record
 
 log = logging.getLogger(__name__)

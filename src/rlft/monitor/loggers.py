@@ -82,7 +82,7 @@ class LoggerGroup:
 
 def build_loggers(names: list[str], run_dir: str | Path, run_name: str, settings: Any) -> LoggerGroup:
     """Build the backends named in `names` (logging.backends). `settings` carries the backend
-    options (`rlft.monitor.settings.LoggerSettings` fields: wandb_project, mlflow_tracking_uri...).
+    options (`rlft.config.monitor.LoggerSettings` fields: wandb_project, mlflow_tracking_uri...).
     Raises one RlftError naming every missing package and its pip extra."""
     unknown = [n for n in names if n not in BACKENDS]
     if unknown:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rlft.monitor.detectors import DETECTORS, Alert, History
-from rlft.monitor.settings import EarlyStopSettings, MonitorConfig
+from rlft.config.monitor import EarlyStopSettings, MonitorConfig
 from rlft.monitor.text_stats import batch_repetition_rate
 
 EVENTS_FILE = "events.jsonl"

@@ -33,7 +33,7 @@ def _load(path: str, device: str, dtype: str):
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if dtype not in dtypes:
         raise RlftError(f"reward_model: dtype must be one of {sorted(dtypes)}, got {dtype!r}")
-    from rlft.hub import hub_source
+    from rlft.models.hub import hub_source
 
     source = hub_source(path, None, "reward_model args.path")
     try:

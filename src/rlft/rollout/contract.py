@@ -20,7 +20,7 @@ class Completion:
     # Per completion token: 1 = sampled by the policy (trained on), 0 = inserted text (a tool's or
     # an environment's observation: attended to, never a target). None: every token was sampled.
     loss_mask: list[int] | None = None
-    episode: "Episode | None" = None  # a multi-turn rollout's record (rollout/turns.py); None: one turn
+    episode: "Episode | None" = None  # a multi-turn rollout's record (rollout/agent/turns.py); None: one turn
     # The weights it was sampled from: how many rollout batches the trainer had trained on (set by
     # the online loop's rollout source; None outside training). Staleness = batches trained since.
     policy_version: int | None = None
@@ -66,7 +66,7 @@ class Episode:
     messages: list[dict[str, Any]]  # the whole transcript: the prompt conversation, then assistant / tool / user turns
     turns: int = 0  # assistant turns sampled
     tool_calls: int = 0  # calls parsed (well-formed or not)
-    errors: dict[str, int] = field(default_factory=dict)  # failed calls by kind (see rollout/tools.py)
+    errors: dict[str, int] = field(default_factory=dict)  # failed calls by kind (see rollout/agent/tools.py)
     tool_tokens: int = 0  # inserted (loss-masked) tokens
     budget_truncated: bool = False  # an observation would have overflowed agent.max_total_tokens
     max_turns_reached: bool = False  # the last allowed turn still asked for tools, or its environment was not done
@@ -74,7 +74,7 @@ class Episode:
     tool_latency_s: list[float] = field(default_factory=list)  # per call
     max_tokens: int = 0  # the episode's token budget (what `max_new_tokens` is to one turn)
     retokenize_drift: int | None = None  # trained tokens after the first one a re-render differs at (None: unchecked)
-    # with an environment (rollout/environments.py); env_rewards is None without one
+    # with an environment (rollout/agent/environments.py); env_rewards is None without one
     env_rewards: list[float] | None = None  # per step, in order
     env_done: bool = False  # the environment ended the episode (not a turn or token limit)
     env_tokens: int = 0  # inserted (loss-masked) observation tokens

@@ -20,12 +20,12 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from rlft.models.forward import position_ids_for
 from rlft.models.precision import autocast_to
 from rlft.models.template import end_of_turn_ids
 from rlft.rollout.contract import Completion, SamplingParams
 from rlft.rollout.fast_decode import LeanDecoder
 from rlft.rollout.seeds import call_number, check_engine_state, request_seeds
-from rlft.models.forward import position_ids_for
 
 
 def generation_stop_ids(model: Any, tokenizer: Any) -> list[int]:

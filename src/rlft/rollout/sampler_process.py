@@ -9,7 +9,7 @@ environments), the rewards and the queue, calling this engine per turn.
 
 The child samples from the sampler's copy of the policy, whose storages are moved to shared
 memory when the child starts and mapped by it: loading a published snapshot into that copy (the
-sampler thread's `copy_`, see training/rollout_source.py) is the weight push, and
+sampler thread's `copy_`, see training/online/rollouts.py) is the weight push, and
 `sync_weights` is a round trip that confirms the child is alive before it samples from them.
 The parent never writes the weights while the child reads them: the one sampler thread does
 both, in turn. The sampling streams (seed, stream name, call counter) live in the child's

@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -364,6 +365,24 @@ def find_latest(checkpoints: Path) -> Path | None:
     return None
 
 
+# Classes an async run's queued rollouts pickle, by the module they lived in when a checkpoint was
+# written and the one they live in now: checkpoints from before the package layout of 2026-12
+# (training/online/ and training/offline/) still resume.
+MOVED_CLASSES = {("rlft.training.collect", "Rollout"): "rlft.training.online.collect"}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        return super().find_class(MOVED_CLASSES.get((module, name), module), name)
+
+
+class _MovedClasses:
+    """torch.load's `pickle_module`: pickle, with classes found where they live now."""
+    Unpickler = _Unpickler
+    load = staticmethod(pickle.load)  # torch.load reads through Unpickler; present for its checks
+    __name__ = "pickle"
+
+
 def load_trainer_state(path: Path) -> dict[str, Any]:
     # Our own file (optimizer state, RNG tuples with numpy arrays): not a weights-only pickle.
-    return torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+    return torch.load(path / STATE_FILE, map_location="cpu", weights_only=False, pickle_module=_MovedClasses)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from rlft.errors import RlftError
-from rlft.torchrun import watch_parent
+from rlft.training.torchrun import watch_parent
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,82 @@
+"""Held-out evaluation: `eval` and its suites."""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import Field, field_validator
+
+from rlft import paths
+from rlft.config.rewards import RewardSpec
+from rlft.config.section import Section, _local
+
+
+class SuiteSampling(Section):
+    num_samples: int = Field(1, ge=1, description="Completions per prompt (k of pass@k and maj@k).")
+    temperature: float = Field(0.0, ge=0, description="0: greedy; > 0: sampled.")
+    max_new_tokens: int = Field(128, ge=1, description="Longest completion.")
+    batch_size: int = Field(64, ge=1, description="Sequences generated per forward.")
+
+
+class EvalSuite(Section):
+    """One held-out set (`eval.suites: [...]` in a config)."""
+
+    name: str = Field(description="Metric prefix: eval/<name>/...; letters, digits, '_', '-' and '.'.")
+    data: str = Field(description="Prompt rows (.jsonl/.json/.parquet, a saved dataset or 'hf:NAME').")
+    split: str = Field("train", description="Split of an 'hf:NAME' dataset.")
+    rewards: list[RewardSpec] = Field(default_factory=list, description="Reward components (default: none).")
+    correct_component: str | None = Field(
+        None, description="Reward component that means 'correct' (default: the first).")
+    correct_threshold: float = Field(1.0, description="A sample is correct when that component is >= this.")
+    sampling: SuiteSampling = Field(default_factory=SuiteSampling)
+    format_regex: str | None = Field(None, description="A completion is compliant when it stops and fully matches.")
+    max_examples: int | None = Field(256, ge=1, description="Rows used (None: all).")
+    every: int | None = Field(
+        None, ge=1, description="Run every N steps (default: training.eval_every); always after the last step.")
+    answer: str | None = Field(
+        "math", description="maj@k answer extractor: 'math' (boxed / 'answer is' / last number), "
+                            "'module:function' (completion -> answer or None), or null (no maj@k).")
+
+    @field_validator("data")
+    @classmethod
+    def _data_location(cls, value: str) -> str:
+        return paths.data_location(_local(value, "eval.suites[].data"))
+
+    @field_validator("answer")
+    @classmethod
+    def _file_ref(cls, value: str | None) -> str | None:
+        return None if value is None else paths.function_ref(value)
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", value):
+            raise ValueError(f"eval suite name {value!r} must use letters, digits, '_', '-' or '.' only")
+        return value
+
+    def eval_config(self) -> EvalConfig:
+        s = self.sampling
+        return EvalConfig(max_examples=self.max_examples, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+                          num_samples=s.num_samples, format_regex=self.format_regex,
+                          correct_component=self.correct_component, correct_threshold=self.correct_threshold,
+                          batch_size=s.batch_size)
+
+    def due(self, step: int, total_steps: int, default_every: int | None = None) -> bool:
+        every = self.every or default_every
+        return step == total_steps or bool(every) and step % every == 0
+
+
+class EvalConfig(Section):
+    max_examples: int | None = Field(256, ge=1, description="Held-out rows used for generation metrics (None: all).")
+    max_new_tokens: int = Field(128, ge=1, description="Longest completion when evaluating.")
+    temperature: float = Field(0.0, ge=0, description="0: greedy; > 0: sampled.")
+    num_samples: int = Field(1, ge=1, description="Completions per prompt (k for pass@k).")
+    format_regex: str | None = Field(
+        None, description="A completion is format-compliant when it stops cleanly and fully matches this regex.")
+    correct_component: str | None = Field(
+        None, description="Reward component that means 'correct' for accuracy (default: the first).")
+    correct_threshold: float = Field(1.0, description="A sample is correct when that component is >= this.")
+    batch_size: int = Field(64, ge=1, description="Sequences generated per forward when evaluating.")
+    suites: list[EvalSuite] = Field(
+        default_factory=list, description="Named held-out sets (target, retention, adversarial...), each with its "
+                                          "own data, rewards and sampling; metrics eval/<name>/...")

@@ -1,0 +1,200 @@
+"""Environments: what answers an assistant turn that is not a tool call (a game, a simulated user,
+a grader that talks back).
+
+An environment is a class; the turn driver makes one instance per episode and calls it:
+
+    env = Class(seed=..., **agent.environment_args)
+    env.reset(**row) -> str | None             # the first observation, or None: keep the row's prompt
+    env.step(text) -> (observation, reward, done)   # after each assistant turn without tool calls
+
+`row` is the prompt row's fields (everything but the prompt) plus `messages`, the row's
+conversation. A first observation takes the place of the row's last message (its system prompt
+and earlier turns stay); each later observation is a `user` message, inserted like a tool result
+(encoded once, never trained on), until `done`. The observation that comes with `done` is not
+shown: nothing follows it. Config names environments like rewards: `module:Class`,
+`path/file.py:Class`, or `gem:<env id>` for the games of the gem-llm package (rollout/agent/gem_env.py).
+
+Seeds: the G episodes of a group get the same seed (a function of the run's seed and the prompt's
+draw number, so a resumed run replays them), hence the same start (e.g. the same secret number):
+the group baseline then compares answers to one game, not luck across games. An environment draws
+randomness only from its `seed`; resets of one seed that differ stop the run.
+
+A constructor, `reset` or `step` that raises (or returns what the protocol does not allow) stops
+the run with one message naming the environment, the row and the exception; the online loop saves
+the last completed step first, as for a reward that raises. Calls run one at a time on the
+driver's thread, with no time limit (unlike tools): a step that hangs holds the run.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+import numbers
+import reprlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from rlft.errors import ConfigError, EnvironmentFailed
+from rlft.models.template import Messages
+from rlft.rollout.seeds import stream_seed
+
+GEM_PREFIX = "gem:"
+_PROTOCOL = ("class MyEnv:\n    def __init__(self, seed: int, **args): ...\n"
+             "    def reset(self, **row) -> str | None: ...   # first observation (None: the row's prompt)\n"
+             "    def step(self, text: str) -> tuple[str, float, bool]: ...   # observation, reward, done")
+
+
+class Environment(Protocol):
+    def reset(self, **row: Any) -> str | None: ...
+
+    def step(self, text: str) -> tuple[str, float, bool]: ...
+
+
+@dataclass(frozen=True)
+class EpisodeRow:
+    """What an environment is started from: the prompt row (`where` names it in messages) and its
+    draw number in the run (the prompts drawn before it), which names its seed."""
+
+    where: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    draw: int = 0
+
+
+@dataclass(frozen=True)
+class EnvStep:
+    observation: str
+    reward: float
+    done: bool
+
+
+class EnvironmentSource:
+    """Makes an episode's instance, checked: `start` for a group, then `EpisodeEnv.step`."""
+
+    def __init__(self, ref: str, make: Callable[[int], Any], run_seed: int, user_file: str | None = None,
+                 max_prompt_tokens: int | None = None):
+        self.ref, self.make, self.run_seed = ref, make, run_seed
+        self.user_file, self.max_prompt_tokens = user_file, max_prompt_tokens
+
+    def start(self, messages: Messages, row: EpisodeRow, n: int) -> tuple[Messages, list["EpisodeEnv"]]:
+        """n instances for one prompt's group (one seed), reset: the group's prompt and episodes."""
+        seed = stream_seed(self.run_seed, "environment", row.draw)
+        envs = [EpisodeEnv(self, self.guarded(row, "the constructor", lambda: self.make(seed)), row) for _ in range(n)]
+        kwargs = {**row.fields, "messages": messages}
+        # each reset gets its own copy: one that edits the row in place cannot change what the next one sees
+        firsts = [self.guarded(row, "reset", lambda e=e: e.env.reset(**copy.deepcopy(kwargs))) for e in envs]
+        for first in firsts:
+            if first is not None and not isinstance(first, str):
+                raise self.failed(row, f"reset returned {_show(first)}; it returns the first observation (str) or "
+                                       "None to keep the row's prompt")
+        if any(f != firsts[0] for f in firsts):
+            raise self.failed(row, "reset gave different first observations to episodes of one seed: it draws "
+                                   "randomness that does not come from its `seed` argument, so episodes cannot be "
+                                   "replayed (exact resume)", "draw from random.Random(seed) made in __init__")
+        if firsts[0] is None:
+            return list(messages), envs
+        return [*messages[:-1], {"role": "user", "content": firsts[0]}], envs
+
+    def check_prompt(self, row: EpisodeRow, tokens: int) -> None:
+        """A first observation makes the prompt: it must fit data.max_prompt_length like a row's."""
+        if self.max_prompt_tokens is not None and tokens > self.max_prompt_tokens:
+            raise self.failed(row, f"the first observation makes the prompt {tokens} tokens, longer than "
+                                   f"data.max_prompt_length ({self.max_prompt_tokens})",
+                              "raise data.max_prompt_length, or make reset's observation shorter")
+
+    def guarded(self, row: EpisodeRow, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001  (the environment's own code: named, with the row)
+            from rlft.rewards.user_code import describe_exception, indent
+
+            raise self.failed(row, f"{what} raised:\n{indent(describe_exception(exc, self.user_file))}") from None
+
+    def failed(self, row: EpisodeRow, problem: str, fix: str = "") -> EnvironmentFailed:
+        fix = fix or "correct the environment for this row (run its reset/step by hand on it)"
+        return EnvironmentFailed(f"environment {self.ref!r} on {row.where}: {problem}\nFix: {fix}")
+
+
+class EpisodeEnv:
+    """One episode's instance; `step` checks what the environment returns."""
+
+    def __init__(self, source: EnvironmentSource, env: Any, row: EpisodeRow):
+        self.source, self.env, self.row = source, env, row
+
+    def step(self, text: str) -> EnvStep:
+        out = self.source.guarded(self.row, "step", lambda: self.env.step(text))
+        if not isinstance(out, (tuple, list)) or len(out) != 3:
+            raise self.source.failed(self.row, f"step returned {_show(out)}; it returns (observation: str, reward: "
+                                               "float, done: bool)")
+        observation, reward, done = out
+        if not isinstance(done, (bool, numbers.Integral)):
+            raise self.source.failed(self.row, f"step's done is {_show(done)}, not a bool")
+        if not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
+            raise self.source.failed(self.row, f"step's reward is {_show(reward)}, not a finite number")
+        if observation is None and done:  # nothing follows the last step, so it need not say anything
+            observation = ""
+        if not isinstance(observation, str):
+            raise self.source.failed(self.row, f"step's observation is {_show(observation)}, not text")
+        return EnvStep(observation, float(reward), bool(done))
+
+
+def load_environment(ref: str, args: dict[str, Any], run_seed: int,
+                     max_prompt_tokens: int | None = None) -> EnvironmentSource:
+    """`module:Class`, `file.py:Class` or `gem:<env id>`, checked before training starts."""
+    if ref.startswith(GEM_PREFIX):
+        from rlft.rollout.agent.gem_env import gem_factory
+
+        return EnvironmentSource(ref, gem_factory(ref[len(GEM_PREFIX):], args), run_seed, None, max_prompt_tokens)
+    from rlft.rewards.user_code import load_user_function, source_file
+
+    cls = load_user_function(ref, what="agent.environment")
+    check_environment_class(cls, ref, args)
+    return EnvironmentSource(ref, lambda seed: cls(seed=seed, **args), run_seed, source_file(cls), max_prompt_tokens)
+
+
+def check_environment_class(cls: Any, ref: str, args: dict[str, Any]) -> None:
+    """One ConfigError naming the class when it cannot serve as an environment."""
+    def fail(problem: str) -> ConfigError:
+        return ConfigError(f"agent.environment {ref!r}: {problem}\nAn environment is a class:\n{_PROTOCOL}")
+
+    if not inspect.isclass(cls):
+        raise fail(f"is a {type(cls).__name__}, not a class (rlft makes one instance per episode)")
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise fail(f"class {cls.__name__} has no {' or '.join(missing)} method")
+    for name in ("reset", "step"):
+        if inspect.iscoroutinefunction(getattr(cls, name)):
+            raise fail(f"{cls.__name__}.{name} is async (async def); the driver calls it and needs the value")
+    try:
+        inspect.signature(cls).bind(seed=0, **args)
+    except TypeError as exc:
+        raise fail(f"{cls.__name__} cannot be made as {cls.__name__}(seed=..., **agent.environment_args "
+                   f"{sorted(args)}): {exc}") from None
+    except ValueError:  # no signature to read (a C class): it fails, if at all, at the first episode
+        pass
+
+
+def env_counts(records: list[Any]) -> dict[str, float]:
+    """What `env_metrics` divides, over the episodes that had an environment: sums, which add up
+    over ranks (rollout.turns.episode_counts)."""
+    played = [r for r in records if r.env_rewards is not None]
+    return {"env/played": float(len(played)), "env/return_sum": float(sum(sum(r.env_rewards) for r in played)),
+            "env/steps": float(sum(len(r.env_rewards) for r in played)),
+            "env/done": float(sum(r.env_done for r in played)),
+            "env/inserted_tokens": float(sum(r.env_tokens for r in played))}
+
+
+def env_metrics(counts: dict[str, float]) -> dict[str, float]:
+    """A step's environment metrics from `env_counts` (summed over ranks): the mean return (sum of
+    step rewards), steps per episode, and how many ended with `done` vs were cut (turn or token limit)."""
+    n = counts.get("env/played", 0.0)
+    if not n:
+        return {}
+    done = counts["env/done"]
+    return {"env/return_mean": counts["env/return_sum"] / n, "env/steps_mean": counts["env/steps"] / n,
+            "env/episodes_done": done, "env/episodes_cut": n - done,
+            "env/inserted_tokens_mean": counts["env/inserted_tokens"] / n}
+
+
+def _show(value: Any) -> str:
+    return f"{type(value).__name__} {reprlib.repr(value)}"
