@@ -77,8 +77,7 @@ def sequential_oracle(cfg: dict, k: int) -> tuple[list[float], dict[str, torch.T
         session = session_for(config, run, policy, precision=precision)
         o = build_online(config, session)  # data, rewards and the update's parts; not its rollouts
         maker = o.rollouts.maker
-        session.start(o.total, [], "oracle", updates_per_step=4)
-        session._restore_signal_handlers()
+        session.start(o.total, [], "oracle", updates_per_step=4)  # no signal handlers: only running() installs them
         engine, lagged, history = o.engine, None, [copy.deepcopy(policy.model.state_dict())]
         if k:
             lagged = copy.deepcopy(policy)

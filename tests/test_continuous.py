@@ -9,7 +9,6 @@ seeds and models were checked to sample the same tokens despite it."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 
 import pytest

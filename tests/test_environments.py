@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import ScriptedEngine, assert_clean_user_error, call_text, run_main, write_jsonl
-from rlft.errors import ConfigError, EnvironmentFailed, TrainingHalted
+from rlft.errors import ConfigError, EnvironmentFailed
 from rlft.rollout.batch import RolloutBatch
 from rlft.rollout.contract import SamplingParams
 from rlft.rollout.agent.environments import EpisodeRow, load_environment

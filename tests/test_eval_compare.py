@@ -14,7 +14,7 @@ import torch
 from conftest import assert_clean_user_error, run_main, write_jsonl
 from rlft.config import EvalConfig, RewardSpec
 from rlft.errors import ConfigError, RlftError
-from rlft.eval import compare as compare_mod
+from rlft.eval import parts as eval_parts
 from rlft.eval.compare import (FunctionJudge, build_judge, compare_models, judge_positions, parse_judgement,
                                score_verdicts, tally)
 from rlft.rollout.contract import Completion
@@ -93,7 +93,7 @@ class ScriptedEngine:
 
 def scripted(monkeypatch, scripts: dict[str, list[list[str]]]) -> None:
     """Each model folder's engine answers from its own script (keyed by folder name)."""
-    monkeypatch.setattr(compare_mod, "build_engine",
+    monkeypatch.setattr(eval_parts, "build_engine",
                         lambda policy, *a, **k: ScriptedEngine(scripts[Path(policy.model.name_or_path).name]))
 
 

@@ -87,8 +87,7 @@ def test_the_heap_keeps_its_freed_pages_only_where_memory_is_plentiful(qwen_path
     phases (training.host_memory); a plan that fits with less room, or needs a saver, keeps trimming."""
     import torch
 
-    import rlft.training.host_memory as host_memory
-    import rlft.training.online.loop as online
+    import rlft.api as api
 
     roomy = _fit(_config(qwen_path, data, tmp_path / "a", 1.0))  # 68.0 MiB of 921.6 usable
     assert roomy.roomy and roomy.changes == {} and roomy.record["keeps_freed_pages"] is True
@@ -102,17 +101,17 @@ def test_the_heap_keeps_its_freed_pages_only_where_memory_is_plentiful(qwen_path
         runs.append(trim_heap)
         return {}
 
-    monkeypatch.setattr(online, "run_online", run_online)
-    monkeypatch.setattr(host_memory, "keep_freed_pages", lambda device: kept.append(device) or True)
+    monkeypatch.setattr(api, "run_online", run_online)
+    monkeypatch.setattr(api, "keep_freed_pages", lambda device: kept.append(device) or True)
     train(_config(qwen_path, data, tmp_path / "a", 1.0))
     train(_config(qwen_path, data, tmp_path / "b", 0.1))
     assert runs == [False, True] and kept == [torch.device("cpu")]
 
 
 def test_nothing_fits_is_one_error_before_the_run_starts(qwen_path, data, tmp_path, monkeypatch):
-    import rlft.training.online.loop as online
+    import rlft.api as api
 
-    monkeypatch.setattr(online, "run_online", lambda *a, **k: pytest.fail("the run started"))
+    monkeypatch.setattr(api, "run_online", lambda *a, **k: pytest.fail("the run started"))
     out = tmp_path / "run"
     # gradient checkpointing written as false in the config: kept, and then nothing fits 36.9 MiB
     cfg = _config(qwen_path, data, out, 0.04, model={"gradient_checkpointing": False},
@@ -133,7 +132,7 @@ def test_micro_batches_that_keep_the_matmuls_busy_cost_less_than_thin_ones(qwen_
     # micro-batch holds >= BUSY_TOKENS tokens; thinner micro-batches are priced at 5% per pass
     from dataclasses import replace
 
-    from rlft.cli.plan import plan_input_from_config
+    from rlft.plan.inputs import plan_input_from_config
     from rlft.plan.fit import BUSY_TOKENS, COST_MICRO, COST_THIN_MICRO, _options
     from rlft.plan.lengths import data_lengths
 
@@ -225,7 +224,7 @@ def test_against_ram_the_allocators_slack_grows_with_the_micro_batch(qwen_path, 
     # RAM and cgroups count what the allocator keeps resident: SLACK_LAYERS layers' activations of
     # one micro-batch beside the plan, so fewer rows per micro-batch need less beside it
     import rlft.plan.fit as mf
-    from rlft.cli.plan import plan_input_from_config, read_model_config
+    from rlft.plan.inputs import plan_input_from_config, read_model_config
     from rlft.plan.memory import micro_batch_layer_bytes, plan_memory
     from rlft.plan.lengths import data_lengths
 

@@ -35,7 +35,7 @@ def half_flat(prompt, completion, answer, **row):
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("online")
-    model = build_tiny_model(root / "model", seed=0)
+    build_tiny_model(root / "model", seed=0)
     (root / "rewards.py").write_text(REWARDS)
     with (root / "prompts.jsonl").open("w") as f:
         for i in range(16):

@@ -106,7 +106,7 @@ def test_async_rollouts_hold_the_sampler_while_training(qwen7b):
 
 
 def test_the_plan_reads_the_sampler_device_from_the_config(tmp_path):
-    from rlft.cli.plan import plan_input_from_config
+    from rlft.plan.inputs import plan_input_from_config
     from rlft.config import load_config
 
     def elsewhere(model_device, sampler_device):
@@ -182,7 +182,8 @@ def test_bad_inputs_are_named():
 
 
 def test_rlft_plan_command(tmp_path):
-    from rlft.cli.plan import plan_input_from_config, register
+    from rlft.cli.plan import register
+    from rlft.plan.inputs import plan_input_from_config
     from rlft.config import load_config
 
     cfg = {"method": "grpo", "output_dir": str(tmp_path / "run"), "model": {"path": str(QWEN7B), "dtype": "bf16"},
@@ -205,7 +206,7 @@ def test_rlft_plan_command(tmp_path):
 
 def test_plan_lengths_come_from_the_data(qwen_path, tmp_path):
     from conftest import write_jsonl
-    from rlft.cli.plan import plan_input_from_config, plan_report
+    from rlft.plan.inputs import plan_input_from_config, plan_report
     from rlft.config import ModelConfig, load_config
     from rlft.data.sft_examples import make_sft_encoder
     from rlft.data.readers import read_rows

@@ -79,7 +79,7 @@ def test_advice_offers_qlora_when_it_helps(qwen7b):
 
 
 def test_plan_input_from_a_4bit_config(tmp_path):
-    from rlft.cli.plan import plan_input_from_config, plan_report
+    from rlft.plan.inputs import plan_input_from_config, plan_report
     from rlft.config import load_config
 
     cfg = {"method": "sft", "output_dir": str(tmp_path / "run"),

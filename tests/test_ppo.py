@@ -196,7 +196,6 @@ def test_ppo_trains_on_agent_episodes_with_tool_tokens(setup, kind, lr, monkeypa
     from rlft.rollout.agent.tools import load_tools
     from rlft.rollout.agent.turns import AgentLimits, TurnDriver
     from rlft.training.online import critic as critics
-    from rlft.training.online import loop as online
     from test_agents import ScriptedEngine, call_text
 
     steps = 3
@@ -214,10 +213,9 @@ def test_ppo_trains_on_agent_episodes_with_tool_tokens(setup, kind, lr, monkeypa
         seen.append((mask.clone(), self.returns.clone()))
         return out
 
-    import rlft.rollout as rollout_pkg
+    import rlft.rollout.agent.build as agent_build
 
-    monkeypatch.setattr(rollout_pkg, "turn_driver", scripted_driver)  # the one rollout.agent_driver builds
-    monkeypatch.setattr(online, "turn_driver", scripted_driver)  # evaluations' own, where one is built
+    monkeypatch.setattr(agent_build, "turn_driver", scripted_driver)  # the one agent_driver builds (evaluations too)
     monkeypatch.setattr(critics._ValueTargets, "gae_advantages", watched_gae)
     # no KL in the reward: the scripted log-probs are made up, so the returns are the reward alone
     cfg = ppo_config(setup, f"agent-{kind}", kind, algorithm={"kl_coef": 0.0},

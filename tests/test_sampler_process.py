@@ -23,13 +23,13 @@ from test_resume import assert_same_run, metrics
 STEPS = 3
 
 
-def run(root: Path, name: str, sampler: str, steps: int = STEPS, **sections) -> Path:
-    if not (root / name / "final").exists():
-        cfg = grpo(root, name, 1, steps=steps, **sections)
+def run(base: Path, name: str, sampler: str, steps: int = STEPS, **sections) -> Path:
+    if not (base / name / "final").exists():
+        cfg = grpo(base, name, 1, steps=steps, **sections)
         cfg["rollout"]["sampler"] = sampler
         assert train(cfg)["status"] == "completed"
     assert multiprocessing.active_children() == []  # the sampler process is gone after the run
-    return root / name
+    return base / name
 
 
 def alive(pid: int) -> bool:

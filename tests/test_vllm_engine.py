@@ -293,7 +293,6 @@ def test_continuous_turns_on_vllm_are_the_rounds_episodes(full):
     ends equal, and a slow call holds up only its own episode."""
     import time
 
-    from rlft.rollout.agent.tools import load_tools
     from rlft.rollout.agent.turns import AgentLimits, TurnDriver
     from test_agents_scale import QUESTIONS, calls_on_some_turns
     from test_continuous import slow_calculator

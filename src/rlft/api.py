@@ -8,8 +8,16 @@ from typing import Any
 from rich.markup import escape
 
 from rlft.config import Config, load_config
-from rlft.errors import ResumeError
+from rlft.errors import ConfigError, ResumeError
+from rlft.models.loading import resolve_device
+from rlft.monitor.console import console
+from rlft.monitor.rundir import RunDir
+from rlft.plan.fit import fit_memory
 from rlft.training import checkpoint as ckpt
+from rlft.training.distributed import init_world, local_device
+from rlft.training.host_memory import keep_freed_pages
+from rlft.training.offline.loop import run_offline
+from rlft.training.online.loop import run_online
 
 
 def _as_config(config: Config | dict[str, Any] | str | Path, overrides: list[str] | None) -> Config:
@@ -24,26 +32,17 @@ def train(config: Config | dict[str, Any] | str | Path, overrides: list[str] | N
     """Train as the config says; continues from the newest checkpoint if `output_dir` has one.
     Returns the run's summary (also written to `output_dir/summary.json`)."""
     cfg = _as_config(config, overrides)
-    from rlft.models.loading import resolve_device
-    from rlft.training.distributed import init_world, local_device
 
     device = resolve_device(cfg.model.device)
     # under torchrun: this process's rank (its own GPU, or gloo on CPU); else a single process
     world = init_world(device.type, cfg.training.dist_timeout_s)
     if world.active and cfg.model.quantization != "none":
-        from rlft.errors import ConfigError
-
         # FSDP2 cannot shard bitsandbytes' packed parameters
         raise ConfigError("model.quantization=4bit trains on one GPU; run without --nproc / torchrun")
     # the memory plan before any weight loads: the cheapest memory savers that fit, or a clean stop
-    from rlft.plan.fit import fit_memory
-    from rlft.monitor.console import console
-
     fit = fit_memory(cfg, world, device)
     cfg = fit.config
     if fit.roomy:  # memory to spare: the C heap keeps what it frees (CPU; see training.host_memory)
-        from rlft.training.host_memory import keep_freed_pages
-
         keep_freed_pages(device)
     if world.main and fit.message:
         console.print(f"[bold yellow]{escape(fit.message)}")
@@ -51,16 +50,10 @@ def train(config: Config | dict[str, Any] | str | Path, overrides: list[str] | N
         model = cfg.model.model_copy(update={"device": local_device(cfg.model.device, world)})
         cfg = cfg.model_copy(update={"model": model})
     if cfg.is_online:
-        from rlft.training.online.loop import run_online
-
         summary = run_online(cfg, world, trim_heap=not fit.roomy)
     else:
-        from rlft.training.offline.loop import run_offline
-
         summary = run_offline(cfg, world=world)
     if fit.record and world.main:
-        from rlft.monitor.rundir import RunDir
-
         summary = RunDir(cfg.output_dir).update_summary({"memory_fit": fit.record})
     return summary
 

@@ -28,13 +28,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rlft.api import train
 from rlft.config import Config, apply_override, load_config
 from rlft.config.load import load_yaml
 from rlft.data.readers import looks_like_windows
 from rlft.errors import ConfigError
 from rlft.monitor.catalogue import preflight
+from rlft.monitor.console import console
 from rlft.monitor.rundir import RunDir
-
 
 STAGE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
@@ -173,9 +174,6 @@ def _completed(stage: Stage, cfg: Config) -> dict[str, Any] | None:
 
 
 def run_pipeline(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
-    from rlft.api import train
-    from rlft.monitor.console import console
-
     pipeline, planned = plan_pipeline(path, overrides)
     root = Path(pipeline.output_dir)
     root.mkdir(parents=True, exist_ok=True)

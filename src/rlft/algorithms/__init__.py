@@ -7,14 +7,8 @@ name from the config and never branches on it.
 from rlft.algorithms.advantages import (ADVANTAGE_ESTIMATORS, reverse_kl_advantages, sequence_scores, whiten,
                                         zero_variance_groups)
 from rlft.algorithms.aggregation import AGGREGATIONS, aggregate
-from rlft.algorithms.kl import (
-    KL_ESTIMATORS,
-    AdaptiveKLController,
-    FixedKLController,
-    KLController,
-    ProportionalKLController,
-    make_kl_controller,
-)
+from rlft.algorithms.kl import (KL_ESTIMATORS, AdaptiveKLController, FixedKLController, KLController,
+                                ProportionalKLController, make_kl_controller)
 from rlft.algorithms.policy_loss import POLICY_LOSSES
 from rlft.algorithms.preference_losses import PREFERENCE_LOSSES, bradley_terry
 from rlft.algorithms.value import clipped_value_loss, discounted_returns, gae

@@ -21,7 +21,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from rlft.algorithms.value import discounted_returns, gae as _gae
+from rlft.algorithms.value import discounted_returns
+from rlft.algorithms.value import gae as _gae
 
 
 class AdvantageFn(Protocol):

@@ -35,21 +35,16 @@ class ModelPlumbing:
     """The config's model (hf engine, rollout sampling settings) and its reward components."""
 
     def __init__(self, config: Any):
-        from rlft.models.loading import load_policy
-        from rlft.rewards.scoring import build_scorer
-        from rlft.rollout import rollout_engine, sampling_params
-        from rlft.rollout.agent import turn_driver
+        from rlft.eval.parts import EvalParts
+        from rlft.rollout import sampling_params
 
         if not config.rewards:
             raise ConfigError("rlft data: the config has no rewards; add e.g. rewards: [{fn: math}]")
-        policy = load_policy(config.model, config.lora)
-        self.tokenizer = policy.tokenizer
-        self.engine = rollout_engine(config.rollout, policy, config.seed)
+        self.parts = EvalParts.from_config(config)  # the prompts are checked when read (`_prompts`)
+        self.tokenizer, self.engine, self.driver = self.parts.policy.tokenizer, self.parts.engine, self.parts.driver
+        self.scorer = self.parts.scorer
         self.params = sampling_params(config.rollout)
-        self.driver = turn_driver(config.agent, self.engine, self.tokenizer, config.seed,
-                                  config.data.max_prompt_length) if config.agent else None
         self.drawn = 0  # prompts sampled so far: the next chunk's first global index (its streams)
-        self.scorer = build_scorer(config.rewards, config.scoring)
         self.required = self.scorer.required_fields
         self.correct_component = config.eval.correct_component or self.scorer.components[0][0]
 
@@ -78,8 +73,8 @@ default_plumbing: Callable[[Any], Plumbing] = ModelPlumbing
 
 def _prompts(config: Any, plumbing: Plumbing) -> tuple[list[Any], list[Any]]:
     """(rows, examples) of `data.train`, aligned: rows dropped by validation are dropped from both."""
-    from rlft.data.readers import read_rows
     from rlft.data.prompts import make_prompt_encoder
+    from rlft.data.readers import read_rows
     from rlft.data.validate import check_rows
 
     if not isinstance(config.data.train, str):
@@ -88,11 +83,9 @@ def _prompts(config: Any, plumbing: Plumbing) -> tuple[list[Any], list[Any]]:
     rows = read_rows(config.data.train, config.data.split)
     encode = make_prompt_encoder(plumbing.tokenizer, config.data.max_prompt_length, getattr(plumbing, "required", ()))
     examples = check_rows(rows, encode, config.data.train, "prompt", config.data.on_invalid)
-    driver = getattr(plumbing, "driver", None)
-    if driver is not None:  # episodes: the prompts as they will be, with the tool descriptions
-        from rlft.rollout.agent import check_prompts_with_tools
-
-        check_prompts_with_tools(driver, examples, config.data.max_prompt_length, config.agent.max_total_tokens)
+    parts = getattr(plumbing, "parts", None)
+    if parts is not None:  # episodes: the prompts as they will be, with the tool descriptions
+        parts.check_prompts(examples)
     kept = {e.where for e in examples}
     return [r for r in rows if r.where in kept], examples
 

@@ -30,11 +30,11 @@ def check_launch(config: Config, nproc: int) -> None:
     """What every rank would find out for itself, found once: raises an RlftError for a mistake
     and prints the memory plan's warning (all N ranks of this machine count against its RAM on
     CPU; each rank has its own GPU on CUDA)."""
-    from rlft.cli.plan import read_model_config
     from rlft.data.readers import check_source
     from rlft.models.gguf import gguf_source
     from rlft.models.loading import resolve_device
     from rlft.monitor.catalogue import preflight
+    from rlft.plan.inputs import read_model_config
 
     device = resolve_device(config.model.device)
     check_devices(nproc, device.type)

@@ -8,19 +8,8 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from rlft import paths
-from rlft.config.algorithm import (
-    _BASE_PRESET,
-    CLIP_WARN,
-    METHOD_LEARNING_RATES,
-    ONLINE_LR_RANGE,
-    ONLINE_METHODS,
-    PRESETS,
-    AlgorithmConfig,
-    CriticConfig,
-    DpoConfig,
-    Method,
-    RewardModelConfig,
-)
+from rlft.config.algorithm import (_BASE_PRESET, CLIP_WARN, METHOD_LEARNING_RATES, ONLINE_LR_RANGE, ONLINE_METHODS,
+                                   PRESETS, AlgorithmConfig, CriticConfig, DpoConfig, Method, RewardModelConfig)
 from rlft.config.data import DataConfig
 from rlft.config.eval import EvalConfig
 from rlft.config.model import LoraConfig, ModelConfig, TeacherConfig

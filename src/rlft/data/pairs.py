@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from rlft.config import DataConfig
+from rlft.data.mixing import read_train_rows
 from rlft.data.readers import DEFAULT_MAX_ROW_BYTES, Row, read_rows
 from rlft.data.sft_examples import collate_sft, encode_sft
 from rlft.data.validate import RowError, check_messages, check_rows, require_field
@@ -193,8 +194,6 @@ def load_preference_splits(tokenizer: Any, data: DataConfig, seed: int = 0,
                            ) -> tuple[Any, list[PreferenceExample], dict[str, float]]:
     """A run's train and eval pairs (`data.train`, `data.eval`), validated and encoded, and their
     pair statistics as `data/train/...` and `data/eval/...` (for the run's summary)."""
-    from rlft.data.mixing import read_train_rows
-
     args = (tokenizer, end_of_turn_ids(tokenizer), data.max_length, data.max_prompt_length, data.on_invalid)
     summary: dict[str, float] = {}
 

@@ -5,23 +5,17 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlft.config import DataConfig
 from rlft.data.reasoning_gym import is_reasoning_gym, read_reasoning_gym
+from rlft.data.row import Row
 from rlft.errors import DataError
+from rlft.models.hub import hub_unreachable, offline
 
 # data.max_row_bytes: callers that do not pass the setting still get the guard at its default
 DEFAULT_MAX_ROW_BYTES: int = DataConfig.model_fields["max_row_bytes"].default
-
-
-@dataclass
-class Row:
-    where: str  # "data/train.jsonl:17" -- 1-based line, or "name[split]#index"
-    data: dict[str, Any] | None  # None when the row could not be parsed
-    error: str | None = None  # parse error, reported by validation
 
 
 def read_rows(source: str, split: str = "train", max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> list[Row]:
@@ -157,8 +151,6 @@ def _read_hub(name: str, split: str) -> list[Row]:
     from contextlib import nullcontext
 
     from datasets import load_dataset
-
-    from rlft.models.hub import hub_unreachable, offline
 
     unreachable = None if os.path.exists(name) else hub_unreachable()  # a local folder needs no hub
     try:

@@ -19,24 +19,17 @@ import json
 from typing import Any
 from urllib.parse import parse_qsl
 
+from rlft.data.row import Row
 from rlft.errors import DataError
+from rlft.rewards.gym import import_reasoning_gym
 
 PREFIX = "reasoning_gym:"
 SPLITS = ("train", "test")
 _HELD_OUT_SEED_OFFSET = 1_000_003  # the held-out generator's seed: seed + this
-_INSTALL = "reasoning-gym is not installed; install it with: pip install 'rlft[reasoning-gym]'"
 
 
 def is_reasoning_gym(source: str) -> bool:
     return source.startswith(PREFIX)
-
-
-def import_reasoning_gym() -> Any:
-    try:
-        import reasoning_gym
-    except ImportError:
-        raise DataError(_INSTALL) from None
-    return reasoning_gym
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +83,6 @@ def _dataset(src: GymSource, seed: int, size: int, where: str) -> Any:
 
 def read_reasoning_gym(source: str, split: str) -> list[Any]:
     """The rows of one split (see the module docstring), as `readers.Row`s."""
-    from rlft.data.readers import Row
 
     if split not in SPLITS:
         raise DataError(f"{source}: split {split!r}; a reasoning-gym source has splits 'train' (data.split) and "

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
-from rlft.data.readers import Row
 from rlft.data.prompts import PromptExample
+from rlft.data.readers import Row
 
 
 class Sampler(Protocol):

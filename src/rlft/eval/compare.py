@@ -43,9 +43,12 @@ from rlft.data.readers import DEFAULT_MAX_ROW_BYTES
 from rlft.errors import ConfigError, RlftError
 from rlft.eval.generation import sample_answers
 from rlft.eval.metrics import WinRate, win_rate
+from rlft.eval.parts import EvalParts
 from rlft.eval.run import load_with_prompts, resolve_model, warn_if_cut
+from rlft.models.folder_checks import check_model_folder
+from rlft.models.loading import is_adapter_export, resolve_device
 from rlft.rewards.scoring import RewardScorer, build_scorer, score_completions
-from rlft.rollout import build_engine
+from rlft.rewards.user_code import describe_exception, indent, load_user_function, source_file
 from rlft.rollout.contract import Completion
 
 log = logging.getLogger(__name__)
@@ -159,8 +162,6 @@ class FunctionJudge:
         self._names, self._takes_all, self.required_fields = _judge_signature(fn, ref)
 
     def judge(self, target: Answers, baseline: Answers, seed: int, max_new_tokens: int) -> Judged:
-        from rlft.rewards.user_code import describe_exception, indent, source_file
-
         n = len(target.completions)
         first = judge_positions(n, seed)
         verdicts: list[int | None] = []
@@ -255,13 +256,8 @@ def build_judge(rewards: Sequence[RewardSpec], judge: str | None = None, judge_m
     if judge and ":" not in judge:
         return _llm_judge(rewards, judge, scoring)
     if judge:
-        from rlft.rewards.user_code import load_user_function
-
         return FunctionJudge(load_user_function(judge, what="judge"), judge)
     if judge_model:
-        from rlft.models.folder_checks import check_model_folder
-        from rlft.models.loading import resolve_device
-
         check_model_folder(judge_model, "--judge-model")
         spec = RewardSpec(fn="reward_model", name="judge_model",
                           args={"path": str(judge_model), "device": str(resolve_device(device))})
@@ -294,8 +290,6 @@ class Comparison:
 
 def model_folders(target: str | Path, baseline: str | Path) -> dict[str, Path]:
     """{"TARGET": folder, "BASELINE": folder} (a run's final/), both checked before anything loads."""
-    from rlft.models.folder_checks import check_model_folder
-    from rlft.models.loading import is_adapter_export
 
     dirs = {}
     for role, where in (("TARGET", target), ("BASELINE", baseline)):
@@ -313,12 +307,12 @@ def answer_prompts(model_dir: Path, data: str, cfg: EvalConfig, *, seed: int, sp
     policy, examples = load_with_prompts(model_dir, data, split=split, max_prompt_length=max_prompt_length,
                                          device=device, required_fields=required_fields, max_row_bytes=max_row_bytes)
     warn_if_cut(cfg, len(examples), data)
-    sampler = build_engine(policy, seed, engine, batch_size=cfg.batch_size, vllm=vllm)
+    parts = EvalParts.build(policy, seed=seed, engine=engine, batch_size=cfg.batch_size, vllm=vllm)
     try:
-        examples, completions = sample_answers(sampler, examples, cfg, seed)
+        examples, completions = sample_answers(parts.engine, examples, cfg, seed)
     finally:
-        sampler.close()
-        del policy, sampler
+        parts.close()
+        del policy, parts
         gc.collect()
         _empty_cuda_cache()
     return Answers(examples, completions)

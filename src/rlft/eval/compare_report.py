@@ -8,8 +8,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlft.eval.compare import Comparison
+from rlft.errors import RlftError
+from rlft.eval.compare import Comparison, build_judge, compare_models, model_folders
 from rlft.eval.run import data_stem, write_new
+from rlft.monitor.console import console
 
 
 def comparison_path(data: str, run_dir: Path | None, out: Path | None) -> Path | None:
@@ -54,9 +56,6 @@ def compare_command(target: Path, baseline: Path | None, data: str, cfg: Any, re
                     out: Path | None, scoring: Any = None, **options: Any) -> Comparison:
     """`rlft eval TARGET --compare BASELINE [--judge F | --judge-model M]`: refuse contradictory
     flags, compare, save (see `comparison_path`) and print the table."""
-    from rlft.errors import RlftError
-    from rlft.eval.compare import build_judge, compare_models, model_folders
-    from rlft.monitor.console import console
 
     if baseline is None:
         raise RlftError("--judge and --judge-model judge a comparison; add --compare BASELINE")

@@ -11,9 +11,9 @@ from typing import Any, Sequence
 from rlft.config import EvalConfig
 from rlft.data.prompts import PromptExample
 from rlft.rewards.scoring import RewardScorer, score_completions
-from rlft.rollout.contract import Completion, Engine, SamplingParams
 from rlft.rollout.agent.environments import EpisodeRow
 from rlft.rollout.agent.turns import TurnDriver, episode_metrics
+from rlft.rollout.contract import Completion, Engine, SamplingParams
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -47,7 +47,7 @@ def sample_answers(engine: Engine, examples: Sequence[PromptExample], cfg: EvalC
                    driver: TurnDriver | None = None) -> tuple[list[PromptExample], list[Completion]]:
     """The first `cfg.max_examples` examples and `cfg.num_samples` completions of each, grouped by
     prompt, sampled under the eval settings from `seed` (the engine's own generator is untouched).
-    With a turn `driver` (on `engine`) each completion is a whole episode, every turn sampled under
+    With a turn `driver` each completion is a whole episode, every turn sampled on `engine` under
     the eval settings and the agent's tools and limits."""
     examples = list(examples)[: cfg.max_examples] if cfg.max_examples else list(examples)
     params = SamplingParams(n=cfg.num_samples, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
@@ -57,7 +57,7 @@ def sample_answers(engine: Engine, examples: Sequence[PromptExample], cfg: EvalC
             completions = engine.generate([e.prompt_ids for e in examples], params)
         else:  # an environment starts from each row (seeded by its place in the eval set: the same every eval)
             rows = [EpisodeRow(e.where, e.fields, i) for i, e in enumerate(examples)]
-            completions = driver.run([e.messages for e in examples], params, rows=rows)
+            completions = driver.run([e.messages for e in examples], params, rows=rows, engine=engine)
     return examples, completions
 
 

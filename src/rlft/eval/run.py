@@ -8,17 +8,17 @@ from pathlib import Path
 from typing import Any
 
 from rlft.config import (AgentConfig, Config, EvalConfig, LoraConfig, ModelConfig, RewardSpec, ScoringConfig,
-                         VllmSettings)
-from rlft.data.readers import DEFAULT_MAX_ROW_BYTES, read_rows
+                         VllmSettings, load_config)
 from rlft.data.prompts import PromptExample, make_prompt_encoder
+from rlft.data.readers import DEFAULT_MAX_ROW_BYTES, read_rows
 from rlft.data.validate import check_rows
 from rlft.errors import RlftError
 from rlft.eval.generation import EvalResult, evaluate_prompts
-from rlft.models.loading import LoadedModel, is_adapter_export, load_adapter_export, load_policy
+from rlft.eval.parts import EvalParts
 from rlft.eval.suites import prepare_suites, run_suites
+from rlft.models.loading import LoadedModel, is_adapter_export, load_adapter_export, load_policy
+from rlft.monitor.console import console
 from rlft.rewards.scoring import RewardScorer, build_scorer
-from rlft.rollout import build_engine
-from rlft.rollout.agent import agent_driver
 
 
 def resolve_model(target: str | Path) -> tuple[Path, Path | None]:
@@ -45,12 +45,9 @@ def evaluate_model(target: str | Path, data: str, rewards: list[RewardSpec], cfg
                                          device=device, required_fields=scorer.required_fields if scorer else (),
                                          max_row_bytes=max_row_bytes)
     warn_if_cut(cfg, len(examples), data)
-    engine = build_engine(policy, seed, engine, batch_size=cfg.batch_size, vllm=vllm)
-    try:
-        driver = agent_driver(agent, engine, policy.tokenizer, [examples], max_prompt_length, seed)
-        return evaluate_prompts(engine, examples, cfg, scorer, prefix=prefix, seed=seed, driver=driver)
-    finally:
-        engine.close()
+    with EvalParts.build(policy, seed=seed, engine=engine, batch_size=cfg.batch_size, vllm=vllm, agent=agent,
+                         prompt_sets=[examples], max_prompt_length=max_prompt_length, scorer=scorer) as parts:
+        return evaluate_prompts(parts.engine, examples, cfg, scorer, prefix=prefix, seed=seed, driver=parts.driver)
 
 
 def evaluate_suites(target: str | Path, settings: Config, *, device: str = "auto", engine: str = "hf",
@@ -62,14 +59,10 @@ def evaluate_suites(target: str | Path, settings: Config, *, device: str = "auto
     d = settings.data
     suites = prepare_suites(settings.eval.suites, policy.tokenizer, d.max_prompt_length, d.on_invalid,
                             settings.scoring)
-    sampler = build_engine(policy, settings.seed, engine, batch_size=settings.eval.batch_size,
-                           vllm=settings.rollout.vllm)
-    try:
-        driver = agent_driver(settings.agent, sampler, policy.tokenizer, [p.examples for p in suites],
-                              d.max_prompt_length, settings.seed)
-        metrics, records = run_suites(sampler, suites, 0, 0, settings.seed, driver=driver)
-    finally:
-        sampler.close()
+    with EvalParts.build(policy, seed=settings.seed, engine=engine, batch_size=settings.eval.batch_size,
+                         vllm=settings.rollout.vllm, agent=settings.agent, prompt_sets=[p.examples for p in suites],
+                         max_prompt_length=d.max_prompt_length) as parts:
+        metrics, records = run_suites(parts.engine, suites, 0, 0, settings.seed, driver=parts.driver)
     return EvalResult(metrics, [{"suite": name, **r} for name, recs in records.items() for r in recs])
 
 
@@ -77,8 +70,6 @@ def warn_if_cut(cfg: EvalConfig, rows: int, data: str) -> None:
     """Say when eval.max_examples leaves rows out: an accuracy on part of a file must not pass for
     the accuracy on all of it."""
     if cfg.max_examples is not None and rows > cfg.max_examples:
-        from rlft.monitor.console import console
-
         console.print(f"[bold yellow]warning: evaluating the first {cfg.max_examples} of the {rows} rows of {data} "
                       f"(eval.max_examples={cfg.max_examples}); --max-examples all evaluates every row",
                       highlight=False)
@@ -117,8 +108,6 @@ def load_with_prompts(model_dir: Path, data: str, *, split: str = "train", max_p
 def run_settings(run_dir: Path, overrides: list[str] | None = None) -> Config:
     """The config a run trained and evaluated with: its rewards, eval, scoring and data settings
     are what `rlft eval RUN` uses unless told otherwise, so its numbers compare with the run's own."""
-    from rlft.config import load_config
-
     return load_config(run_dir / "config.yaml", overrides)
 
 

@@ -12,20 +12,21 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from rlft.config import EvalSuite
-from rlft.data.prompts import PromptExample
+from rlft.data.prompts import PromptExample, make_prompt_encoder
+from rlft.data.readers import read_rows
+from rlft.data.validate import check_rows
+from rlft.errors import ConfigError
 from rlft.eval.generation import evaluate_prompts
 from rlft.eval.metrics import length_stats, maj_at_k, normalize_answer
-from rlft.rewards.scoring import build_scorer
+from rlft.rewards.math import HEDGE, extract_answer
+from rlft.rewards.scoring import build_scorer, load_user_function
 
 
 def answer_extractor(spec: str | None) -> Callable[[str], str | None] | None:
     if spec is None:
         return None
     if spec == "math":
-        from rlft.rewards.math import HEDGE, extract_answer
-
         return lambda text: None if (a := extract_answer(text)) == HEDGE else a
-    from rlft.rewards.scoring import load_user_function
 
     return load_user_function(spec, "eval suite answer extractor")
 
@@ -41,15 +42,10 @@ class PreparedSuite:
 def prepare_suites(suites: Sequence[EvalSuite], tokenizer: Any, max_prompt_length: int,
                    on_invalid: str = "error", scoring: Any = None) -> list[PreparedSuite]:
     """Read and check every suite's rows and build its rewards once, before training starts."""
-    from rlft.data.readers import read_rows
-    from rlft.data.prompts import make_prompt_encoder
-    from rlft.data.validate import check_rows
 
     names = [s.name for s in suites]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
-        from rlft.errors import ConfigError
-
         raise ConfigError(f"eval.suites: names must be unique; {dupes} appear more than once")
     out = []
     for s in suites:

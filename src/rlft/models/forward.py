@@ -58,13 +58,6 @@ def selected_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: 
     return plain_token_logprobs_and_entropy(flat, targets.reshape(-1), temperature=temperature)[0].view(targets.shape)
 
 
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of softmax(logits / temperature) per position: `[B, T, V] -> [B, T]` float32."""
-    flat = logits.reshape(-1, logits.shape[-1])
-    dummy = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)
-    return plain_token_logprobs_and_entropy(flat, dummy, temperature=temperature, entropy="grad")[1].view(logits.shape[:-1])
-
-
 # ---------------------------------------------------------------------------------------------
 # The model's head, found and checked once per model object
 

@@ -26,6 +26,7 @@ from typing import Any, Iterator
 import torch
 
 from rlft.errors import RlftError
+from rlft.models.template import end_of_turn_ids, write_template_record
 
 log = logging.getLogger(__name__)
 
@@ -172,8 +173,6 @@ def import_gguf(src: str | Path, dst: str | Path, gguf_file: str | None = None, 
     """Write the GGUF checkpoint `src` (a .gguf file, or a folder plus `gguf_file`) as a normal
     Hugging Face folder at `dst`: config, fp32 safetensors, tokenizer with its chat template, a
     generation config that stops at the end of an assistant turn, and rlft's template record."""
-    from rlft.models.template import end_of_turn_ids, write_template_record
-
     file = gguf_source(str(src), gguf_file)
     if file is None:
         raise RlftError(f"{src} is not a .gguf file; give the file, or its folder with --gguf-file NAME")

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import functools
 import os
-from contextlib import contextmanager
-from typing import Iterator
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
+from typing import Iterator
+
 from rlft.errors import RlftError
 from rlft.models.folder_checks import looks_local
 

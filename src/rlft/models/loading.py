@@ -15,8 +15,10 @@ from rlft.config import LoraConfig, ModelConfig
 from rlft.errors import ConfigError, RlftError
 from rlft.models.folder_checks import (check_causal_lm, check_lora_targets, check_model_folder, check_tokenizer,
                                        check_tokenizer_folder)
+from rlft.models.gguf import gguf_source, load_gguf_model, load_gguf_tokenizer
 from rlft.models.hub import hub_source
 from rlft.models.template import check_end_of_turn, check_template, set_chat_template, write_template_record
+from rlft.paths import existing
 
 log = logging.getLogger(__name__)
 
@@ -97,16 +99,12 @@ def _finish_tokenizer(tokenizer: Any, cfg: ModelConfig) -> Any:
 
 def _gguf_file(cfg: ModelConfig) -> Path | None:
     """The .gguf file `cfg` names (model.path or model.gguf_file), or None for a folder / hub id."""
-    from rlft.models.gguf import gguf_source
-
     return gguf_source(cfg.path, cfg.gguf_file)
 
 
 def _load_gguf_tokenizer(file: Path) -> Any:
     """The tokenizer transformers builds from a GGUF's metadata; there is no tokenizer.json to
     compare it with, so the whitespace round trip is its check."""
-    from rlft.models.gguf import load_gguf_tokenizer
-
     tokenizer = load_gguf_tokenizer(file)
     check_tokenizer(tokenizer, str(file))
     ids = tokenizer(_ROUND_TRIP_PROBE, add_special_tokens=False)["input_ids"]
@@ -219,7 +217,6 @@ def load_causal_lm(cfg: ModelConfig, device: torch.device, dtype: torch.dtype | 
             raise ConfigError(f"model.quantization={cfg.quantization} loads a model folder through bitsandbytes, and "
                               f"model.path {cfg.path!r} is a GGUF.\nFix: rlft import-model {cfg.path} FOLDER, then "
                               "model.path=FOLDER")
-        from rlft.models.gguf import load_gguf_model
 
         model = load_gguf_model(gguf, kwargs["dtype"], device)
         check_causal_lm(model, {}, cfg.path)
@@ -419,8 +416,6 @@ def export_model(loaded: LoadedModel, out_dir: str | Path) -> Path:
 def _absolute_adapter_base(model: Any) -> None:
     """adapter_config.json names its base model as it was loaded; a relative folder would make the
     adapter loadable only from the directory the run started in (a hub id stays an id)."""
-    from rlft.paths import existing
-
     for peft_config in getattr(model, "peft_config", {}).values():
         if peft_config.base_model_name_or_path:
             peft_config.base_model_name_or_path = existing(peft_config.base_model_name_or_path)

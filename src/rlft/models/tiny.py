@@ -15,6 +15,8 @@ from typing import Literal
 
 import torch
 
+from rlft.errors import RlftError
+
 SIZES = {
     # ~1M parameters: the default for tests and the demo.
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
@@ -123,8 +125,6 @@ def build_tiny_model(
     dims = dict(SIZES[size])
     out = Path(out_dir)
     if out.is_file() or (out.is_dir() and any(out.iterdir()) and not overwrite):
-        from rlft.errors import RlftError
-
         what = "a file" if out.is_file() else "not empty" + (" (it holds a model)" if (out / "config.json").exists()
                                                              else "")
         raise RlftError(f"{out} is {what}: writing random weights there would replace what it holds.\n"

@@ -8,6 +8,7 @@ import difflib
 from typing import Any
 
 from rlft.errors import ConfigError
+from rlft.models.loading import resolve_device
 
 _STEP = ("step", "lr", "grad_norm", "loss", "nonfinite_skipped")
 _ONLINE = (
@@ -142,6 +143,4 @@ def preflight(config: Any) -> None:
     check_metric_setting("checkpoint.keep_best", config.checkpoint.keep_best, config, components)
     check_metric_setting("monitor.early_stop.metric", config.monitor.early_stop.metric, config, components)
     if config.is_online and config.rollout.sampler_device != "auto":  # used once the policy has loaded
-        from rlft.models.loading import resolve_device
-
         resolve_device(config.rollout.sampler_device, "rollout.sampler_device")

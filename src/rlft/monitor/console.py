@@ -9,8 +9,7 @@ import time
 from typing import Any, Callable
 
 from rich.console import Console as RichConsole
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                           TimeRemainingColumn)
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 console = RichConsole(stderr=True)
 

@@ -251,7 +251,6 @@ class MlflowLogger:
 
     def log_config(self, config: dict[str, Any]) -> None:
         from mlflow.entities import Param
-
         from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 
         params = [Param(mlflow_key(k), str(v)[:MAX_PARAM_VAL_LENGTH]) for k, v in hyperparameters(config).items()]

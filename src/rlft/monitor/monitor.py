@@ -15,8 +15,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rlft.monitor.detectors import DETECTORS, Alert, History
 from rlft.config.monitor import EarlyStopSettings, MonitorConfig
+from rlft.monitor.detectors import DETECTORS, Alert, History
 from rlft.monitor.text_stats import batch_repetition_rate
 
 EVENTS_FILE = "events.jsonl"

@@ -35,6 +35,10 @@ from typing import Any
 
 from rlft.config import Config
 from rlft.errors import RlftError
+from rlft.models.precision import resolve_precision
+from rlft.plan.inputs import plan_input_from_config, read_model_config
+from rlft.plan.lengths import data_lengths
+from rlft.plan.memory import CUDA_CONTEXT, Verdict, advise, micro_batch_layer_bytes, plan_memory, size_text
 
 GiB = 2**30
 # Under RLIMIT_AS every mapping counts, not only live tensors: libraries mapped after this check,
@@ -167,8 +171,6 @@ def address_space_left(reserve: int = VIRTUAL_RESERVE) -> int | None:
 
 def _reserves(config: Config, device: Any) -> tuple[int, int]:
     """(address space, resident memory) to keep beside the plan on this CPU."""
-    from rlft.models.precision import resolve_precision
-
     try:
         bf16 = resolve_precision(config.training.precision, config.model.dtype, device).name in ("bf16-mixed", "bf16")
     except RlftError:  # reported when the run starts
@@ -184,8 +186,6 @@ def run_budget(config: Config, device: Any, local_ranks: int = 1) -> Budget | No
         return Budget(f"training.memory_limit_gb={limit:g}", int(limit * GiB))
     if device.type == "cuda":
         import torch
-
-        from rlft.plan.memory import CUDA_CONTEXT
 
         return Budget(torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory,
                       CUDA_CONTEXT)
@@ -291,9 +291,6 @@ def fit_memory(config: Config, world: Any, device: Any, local_ranks: int | None 
     to check before starting the ranks."""
     import os
 
-    from rlft.cli.plan import plan_input_from_config, read_model_config
-    from rlft.plan.memory import Verdict, advise, micro_batch_layer_bytes, plan_memory, size_text
-    from rlft.plan.lengths import data_lengths
 
     if local_ranks is None:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)

@@ -16,6 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from rlft.config import Config
+from rlft.data.pairs import make_preference_encoder
+from rlft.data.prompts import make_prompt_encoder
+from rlft.data.readers import read_rows
+from rlft.data.sft_examples import make_sft_encoder
+from rlft.data.tool_transcripts import tool_transcripts
+from rlft.models.loading import load_tokenizer
+from rlft.models.template import end_of_turn_ids
 
 SCAN_ROWS = 20_000  # rows tokenized per source: ~1-2 s with a fast tokenizer; bigger files are sampled evenly
 
@@ -59,12 +66,8 @@ def _sources(config: Config) -> list[str]:
 
 def _encoder(config: Config, tokenizer: Any):
     """(encode(row) -> (sequence, targets, prompt)) with the encoder the run's loader uses."""
-    from rlft.models.template import end_of_turn_ids
-
     d = config.data
     if config.is_online:
-        from rlft.data.prompts import make_prompt_encoder
-
         encode_prompt = make_prompt_encoder(tokenizer, d.max_prompt_length)
 
         def online(row: Any) -> tuple[int, int, int]:
@@ -73,10 +76,6 @@ def _encoder(config: Config, tokenizer: Any):
         return online
     end_ids = end_of_turn_ids(tokenizer)
     if config.method == "sft":
-        from rlft.data.sft_examples import make_sft_encoder
-
-        from rlft.data.tool_transcripts import tool_transcripts
-
         transcripts = tool_transcripts(config.agent, tokenizer) if config.agent else None
         encode_sft = make_sft_encoder(tokenizer, end_ids, d.max_length, transcripts=transcripts)
 
@@ -84,7 +83,6 @@ def _encoder(config: Config, tokenizer: Any):
             e = encode_sft(row)
             return len(e.input_ids), sum(e.target_mask), e.target_mask.index(1)
         return sft
-    from rlft.data.pairs import make_preference_encoder
 
     encode_pair = make_preference_encoder(tokenizer, end_ids, d.max_length)
 
@@ -99,8 +97,6 @@ def _encoder(config: Config, tokenizer: Any):
 def data_lengths(config: Config, limit: int = SCAN_ROWS) -> DataLengths | None:
     """The longest row of `data.train` as training will encode it, or None when the data or the
     tokenizer cannot be read here (a hub dataset offline, a missing file): plan the worst case then."""
-    from rlft.data.readers import read_rows
-    from rlft.models.loading import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(config.model)

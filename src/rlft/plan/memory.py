@@ -40,6 +40,9 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from rlft.models.head_logprobs import block_shape
+from rlft.models.shared_prefix import AttentionCost, completions_per_segment
+
 GiB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -315,8 +318,6 @@ def head_bytes(m: ModelShape, s: PlanInput, tokens: int) -> int:
     bf16), and in backward their gradient; working set: one block of logits (chunk x vocabulary
     slice) in fp32 three times (logits, exp, the product or gradient), its matmul output in the
     compute dtype, and the head weight cast to the compute dtype."""
-    from rlft.models.head_logprobs import block_shape
-
     b, v = s.act_bytes, m.vocab
     state_bytes = 2 if s.precision in ("bf16", "fp16") else 4
     chunk, vb = block_shape(tokens, v)
@@ -463,7 +464,6 @@ def shared_prefix_tokens(m: ModelShape, s: PlanInput, rows: int) -> tuple[int, i
     `shared_prefix.completions_per_segment` picks it under 'auto'; a micro-batch holds whole groups)."""
     if not s.online or s.shared_prefix == "off" or rows < 2:
         return rows * s.seq_len, s.seq_len
-    from rlft.models.shared_prefix import AttentionCost, completions_per_segment
 
     prompt, completion = s.seq_len - s.completion_len, s.completion_len
     group = min(s.group_size, rows)

@@ -32,7 +32,6 @@ from rlft.rewards.reward_model import raw_scorer, shape_score
 from rlft.rewards.scores import Scored
 from rlft.rewards.scoring import register_reward
 
-
 COMBINERS = ("mean", "min", "pessimistic")
 
 

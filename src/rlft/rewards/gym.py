@@ -7,13 +7,21 @@ import re
 from functools import lru_cache
 from typing import Any, Callable
 
+from rlft.errors import DataError
 from rlft.rewards.scoring import RewardFn, register_reward
+
+
+def import_reasoning_gym() -> Any:
+    """The optional extra, or one error with its install command (the data source uses it too)."""
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise DataError("reasoning-gym is not installed; install it with: pip install 'rlft[reasoning-gym]'") from None
+    return reasoning_gym
 
 
 @lru_cache(maxsize=None)
 def _scorer(task: str) -> Callable[..., float]:
-    from rlft.data.reasoning_gym import import_reasoning_gym
-
     return import_reasoning_gym().get_score_answer_fn(task)
 
 

@@ -21,6 +21,8 @@ import threading
 from typing import Any, Callable
 
 from rlft.errors import RlftError
+from rlft.models.hub import hub_source
+from rlft.models.template import as_messages
 from rlft.rewards.scoring import RewardFn, register_reward
 
 _ROUND_TRIP_PROBE = "a  b\n\tc 12 + 3 = 15"
@@ -33,7 +35,6 @@ def _load(path: str, device: str, dtype: str):
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if dtype not in dtypes:
         raise RlftError(f"reward_model: dtype must be one of {sorted(dtypes)}, got {dtype!r}")
-    from rlft.models.hub import hub_source
 
     source = hub_source(path, None, "reward_model args.path")
     try:
@@ -58,8 +59,6 @@ def _load(path: str, device: str, dtype: str):
 def render(tokenizer: Any, prompt: Any, completion: str) -> tuple[str, bool]:
     """(text, uses_template). A prompt may be a string or a list of chat messages."""
     if getattr(tokenizer, "chat_template", None):
-        from rlft.models.template import as_messages
-
         messages = as_messages(prompt) + [{"role": "assistant", "content": completion}]
         return tokenizer.apply_chat_template(messages, tokenize=False), True
     text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)

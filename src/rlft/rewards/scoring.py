@@ -83,7 +83,6 @@ def register_reward(name: str) -> Callable[[Callable[..., RewardFn]], Callable[.
 
 def build_reward(spec: RewardSpec) -> tuple[str, RewardFn]:
     """Resolve a config entry to (component name, function)."""
-    from rlft import rewards as _builtins  # noqa: F401  (registers the built-ins)
 
     if ":" in spec.fn:
         fn = load_user_function(spec.fn)
@@ -432,7 +431,10 @@ def _check_code_time_limit(specs: list[RewardSpec], timeout_s: float, max_worker
     for i, spec in enumerate(specs):
         if spec.fn != "code":
             continue
-        from rlft.rewards.code.sandbox import MAX_CONCURRENT, STARTUP_GRACE_S
+        from rlft.rewards.code.sandbox import (  # lazy: rlft.rewards.code's reward imports this module
+            MAX_CONCURRENT,
+            STARTUP_GRACE_S,
+        )
 
         default = inspect.signature(BUILTIN_REWARDS["code"]).parameters["timeout"].default
         program = float(spec.args.get("timeout", default))

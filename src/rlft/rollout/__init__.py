@@ -10,12 +10,7 @@
 """
 
 from rlft.rollout.contract import Completion, Engine, SamplingParams
-from rlft.rollout.engines import (
-           build_engine,
-           rollout_dtype,
-           rollout_engine,
-           sampling_params,
-)
+from rlft.rollout.engines import build_engine, rollout_dtype, rollout_engine, sampling_params
 
 __all__ = ["Completion", "Engine", "SamplingParams", "build_engine", "rollout_dtype", "rollout_engine",
            "sampling_params"]

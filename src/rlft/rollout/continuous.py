@@ -32,8 +32,7 @@ import torch
 
 from rlft.models.forward import position_ids_for
 from rlft.rollout.contract import Completion, SamplingParams
-from rlft.rollout.fast_decode import LeanDecoder
-from rlft.rollout.hf import left_padded
+from rlft.rollout.fast_decode import LeanDecoder, left_padded
 from rlft.rollout.seeds import request_seeds
 
 

@@ -14,6 +14,7 @@ from rlft.errors import ConfigError
 from rlft.models.precision import DTYPES
 from rlft.rollout.contract import Engine, SamplingParams
 from rlft.rollout.hf import HFEngine, generation_stop_ids
+from rlft.rollout.vllm_engine import VLLMEngine
 
 
 def build_engine(policy: Any, seed: int, engine: str = "hf", batch_size: int | None = None,
@@ -26,9 +27,7 @@ def build_engine(policy: Any, seed: int, engine: str = "hf", batch_size: int | N
     if engine == "hf":
         return HFEngine(policy.model, policy.tokenizer, stop_ids, policy.device, seed=seed, batch_size=batch_size,
                         fast_decode=fast_decode, compute_dtype=dtype)
-    # imports vLLM only now: a missing vLLM is one RlftError with the install hint
-    from rlft.rollout.vllm_engine import VLLMEngine
-
+    # the engine imports vLLM when it is made: a missing vLLM is one RlftError with the install hint
     return VLLMEngine(policy, stop_ids, seed, vllm, dtype)
 
 

@@ -20,7 +20,7 @@ a non-`silu` MLP) makes `LeanDecoder.build` return None, and the engine keeps th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -215,3 +215,15 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def left_padded(seqs: Sequence[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention mask), both `[n, longest]`: left padding, so every row ends at the
+    same column and its next token goes in the same one."""
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
+    attention = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
+    for r, s in enumerate(seqs):
+        input_ids[r, width - len(s):] = torch.tensor(s, device=device)
+        attention[r, width - len(s):] = 1
+    return input_ids, attention

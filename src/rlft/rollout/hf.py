@@ -23,8 +23,9 @@ import torch
 from rlft.models.forward import position_ids_for
 from rlft.models.precision import autocast_to
 from rlft.models.template import end_of_turn_ids
+from rlft.rollout.continuous import ContinuousBatch
 from rlft.rollout.contract import Completion, SamplingParams
-from rlft.rollout.fast_decode import LeanDecoder
+from rlft.rollout.fast_decode import LeanDecoder, left_padded
 from rlft.rollout.seeds import call_number, check_engine_state, request_seeds
 
 
@@ -39,18 +40,6 @@ def generation_stop_ids(model: Any, tokenizer: Any) -> list[int]:
         if tok not in ids:
             ids.append(tok)
     return ids
-
-
-def left_padded(seqs: Sequence[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention mask), both `[n, longest]`: left padding, so every row ends at the
-    same column and its next token goes in the same one."""
-    width = max(len(s) for s in seqs)
-    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
-    attention = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
-    for r, s in enumerate(seqs):
-        input_ids[r, width - len(s):] = torch.tensor(s, device=device)
-        attention[r, width - len(s):] = 1
-    return input_ids, attention
 
 
 class HFEngine:
@@ -107,8 +96,6 @@ class HFEngine:
         decoder = LeanDecoder.build(self.model, 1, self.compute_dtype) if self.fast_decode else None
         if decoder is None:
             return None
-        from rlft.rollout.continuous import ContinuousBatch
-
         call, self._calls = call_number(self._calls, None)
         return ContinuousBatch(self, params, call, decoder)
 

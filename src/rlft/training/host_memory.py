@@ -34,7 +34,6 @@ import ctypes.util
 from functools import lru_cache
 from typing import Any, Callable
 
-
 # mallopt parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 # allocations below this come from the heap, not from a fresh mapping each (a step's largest

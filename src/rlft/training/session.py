@@ -17,7 +17,7 @@ import signal
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from rich.markup import escape
 
 from rlft.config import CheckpointConfig, Config, TrainingConfig, config_warnings
 from rlft.errors import ResumeError, RlftError, TrainingHalted
+from rlft.eval.suites import run_suites
 from rlft.models.compiled import check_compile_available, compiled_forwards
 from rlft.models.loading import LoadedModel, export_model, resolve_device
 from rlft.models.precision import Precision, resolve_precision
@@ -35,7 +36,7 @@ from rlft.monitor.monitor import Monitor
 from rlft.monitor.rundir import RunDir, fresh_dir
 from rlft.rewards.calls import ScoringInterrupted
 from rlft.training import checkpoint as ckpt
-from rlft.training.distributed import SINGLE, World, full_state_dict, reshard
+from rlft.training.distributed import SINGLE, World, full_state_dict, reshard, shard
 from rlft.training.optim import build_optimizer, build_scheduler, clip_gradients
 from rlft.training.run_state import RunState, Stateful
 from rlft.training.threads import set_run_threads
@@ -219,7 +220,6 @@ class TrainingSession:
         self.total_steps = total_steps
         self.scheduler = build_scheduler(self.optimizer, self.training, total_steps * updates_per_step)
         self.state.register("scheduler", self.scheduler)
-        self._install_signal_handlers()
         self.display = ProgressDisplay(total_steps, self.step, keys, self.progress, title)
 
     @contextmanager
@@ -327,10 +327,22 @@ class TrainingSession:
         return self.state.due(self.step, self.total_steps)
 
     # -- signals ------------------------------------------------------------------------------
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """The training loop's span: while it runs, the first SIGINT / SIGTERM asks the loop to
+        stop: it ends after the current step, or at once when it is waiting for rewards (the step is
+        then abandoned), and finish() saves a checkpoint of the last completed step. A second one
+        stops at once, without saving. On exit, an error included, the previous handlers are back
+        (a notebook keeps its Ctrl-C)."""
+        self._install_signal_handlers()
+        try:
+            yield
+        finally:
+            for sig, old in self._old_handlers.items():
+                signal.signal(sig, old)
+            self._old_handlers.clear()
+
     def _install_signal_handlers(self) -> None:
-        """The first SIGINT / SIGTERM asks the loop to stop: it ends after the current step, or at
-        once when it is waiting for rewards (the step is then abandoned), and saves a checkpoint of
-        the last completed step. A second one stops at once, without saving."""
         def handler(signum, frame):
             name = signal.Signals(signum).name
             if self.stop_signal is not None:
@@ -349,12 +361,6 @@ class TrainingSession:
                 self._old_handlers[sig] = signal.signal(sig, handler)
             except ValueError:  # not the main thread (e.g. a notebook executor): no handlers
                 pass
-
-    def _restore_signal_handlers(self) -> None:
-        """Idempotent: the loop calls it when it ends (an error included), finish() again."""
-        for sig, old in self._old_handlers.items():
-            signal.signal(sig, old)
-        self._old_handlers.clear()
 
     # -- output -------------------------------------------------------------------------------
     def print(self, *args: Any) -> None:
@@ -392,8 +398,6 @@ class TrainingSession:
         """The eval suites (eval.suites, prepared by eval/suites.py) due after this step: their
         metrics (eval/<suite>/...) and why they failed, if they did; their completions go to
         samples.jsonl (`suite` names the suite). `driver`: episodes instead of single turns."""
-        from rlft.eval.suites import run_suites
-
         every = self.training.eval_every
         if not any(p.suite.due(self.step, self.total_steps, every) for p in suites):
             return {}, None
@@ -446,7 +450,6 @@ class TrainingSession:
         alert stopped the run, and write summary.json."""
         try:
             self.close_display()
-            self._restore_signal_handlers()
             summary = {"step": self.step, "wall_time_s": round(self.clock.elapsed, 1),
                        "optimizer_steps": self.guard.applied, "nonfinite_skipped": self.nonfinite_total,
                        "precision": self.precision.name, **summary}
@@ -511,6 +514,42 @@ def session_for(config: Config, run: RunDir, policy: LoadedModel, world: World =
     return TrainingSession(run, policy, config.training, config.checkpoint, progress=config.logging.progress,
                            log_every=config.logging.log_every, allow_template_change=config.model.allow_template_change,
                            monitor=monitor, loggers=loggers, world=world, precision=precision)
+
+
+class RunSetup:
+    """A run being prepared by `prepared_run`: its directory and precision, for loading the
+    policy; then `session()` opens its training session."""
+
+    def __init__(self, config: Config, world: World, run: RunDir, precision: Precision):
+        self.config, self.world, self.run, self.precision = config, world, run, precision
+        self.opened: TrainingSession | None = None
+
+    def session(self, policy: LoadedModel, frozen: Iterable[Any] = ()) -> TrainingSession:
+        """The session that trains `policy`. In a distributed run the policy (keeping a whole
+        mirror) is sharded first, then the frozen copies of `frozen` (a reference, a teacher; None
+        skipped)."""
+        if self.world.active:
+            policy.make_mirror()
+            shard(policy.model, self.world)
+            for part in frozen:
+                if part is not None and part.frozen_copy is not None:
+                    shard(part.frozen_copy, self.world)
+        self.opened = session_for(self.config, self.run, policy, self.world, self.precision)
+        return self.opened
+
+
+@contextmanager
+def prepared_run(config: Config, world: World = SINGLE) -> Iterator[RunSetup]:
+    """The prologue of both loops: the run claimed (open_run) and its precision resolved; the block
+    loads the policy and opens the session with `setup.session(policy, frozen)`. When the block
+    ends, an error included, the session's loggers are closed, then the run directory released."""
+    with open_run(config, world) as run:
+        setup = RunSetup(config, world, run, run_precision(config, world))
+        try:
+            yield setup
+        finally:
+            if setup.opened is not None:
+                setup.opened.loggers.close()
 
 
 class OptimizerState:

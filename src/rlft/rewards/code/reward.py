@@ -12,9 +12,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from rlft.rewards.scoring import RewardFn, RewardValue, register_reward
 from rlft.rewards.code.cases import BadTests, Credit, Verdict, parse_tests, unverifiable, zero
 from rlft.rewards.code.sandbox import Limits, run_program
+from rlft.rewards.scoring import RewardFn, RewardValue, register_reward
 
 LANGUAGE_TAGS = {"python": {"python", "py", "python3", "py3"}}
 # A fence opens at the start of a line with ``` and an optional tag, and closes at a line that is

@@ -37,6 +37,8 @@ from typing import Any, Callable, Protocol
 
 from rlft.errors import ConfigError, EnvironmentFailed
 from rlft.models.template import Messages
+from rlft.rewards.user_code import describe_exception, indent, load_user_function, source_file
+from rlft.rollout.agent.gem_env import gem_factory
 from rlft.rollout.seeds import stream_seed
 
 GEM_PREFIX = "gem:"
@@ -106,8 +108,6 @@ class EnvironmentSource:
         try:
             return fn()
         except Exception as exc:  # noqa: BLE001  (the environment's own code: named, with the row)
-            from rlft.rewards.user_code import describe_exception, indent
-
             raise self.failed(row, f"{what} raised:\n{indent(describe_exception(exc, self.user_file))}") from None
 
     def failed(self, row: EpisodeRow, problem: str, fix: str = "") -> EnvironmentFailed:
@@ -142,10 +142,7 @@ def load_environment(ref: str, args: dict[str, Any], run_seed: int,
                      max_prompt_tokens: int | None = None) -> EnvironmentSource:
     """`module:Class`, `file.py:Class` or `gem:<env id>`, checked before training starts."""
     if ref.startswith(GEM_PREFIX):
-        from rlft.rollout.agent.gem_env import gem_factory
-
         return EnvironmentSource(ref, gem_factory(ref[len(GEM_PREFIX):], args), run_seed, None, max_prompt_tokens)
-    from rlft.rewards.user_code import load_user_function, source_file
 
     cls = load_user_function(ref, what="agent.environment")
     check_environment_class(cls, ref, args)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from rlft.errors import ConfigError
+from rlft.rewards.user_code import load_user_function
 
 # Why a call failed; each is a counter (`agent/errors/<kind>`) and an observation starting "Error:".
 ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout", "bad_result", "too_many_calls")
@@ -99,8 +100,6 @@ def tool_schema(fn: Callable[..., Any], ref: str) -> dict[str, Any]:
 
 def load_tools(refs: list[str]) -> list[Tool]:
     """Tools from config references, checked: a schema for each, names unique."""
-    from rlft.rewards.user_code import load_user_function
-
     tools = []
     for ref in refs:
         fn = BUILTIN_TOOLS.get(ref) or (load_user_function(ref, what="tool") if ":" in ref else None)

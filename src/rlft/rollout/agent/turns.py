@@ -43,21 +43,10 @@ from typing import Any, Sequence
 
 from rlft.errors import ConfigError
 from rlft.models.template import Messages, encode_text, end_of_turn_ids
-from rlft.rollout.agent.environments import (
-    EnvironmentSource,
-    EpisodeEnv,
-    EpisodeRow,
-    env_counts,
-    env_metrics,
-)
+from rlft.rollout.agent.environments import EnvironmentSource, EpisodeEnv, EpisodeRow, env_counts, env_metrics
 from rlft.rollout.agent.tool_calls import Parser, hermes
-from rlft.rollout.agent.tools import (
-    ERROR_KINDS,
-    PendingCall,
-    Tool,
-    ToolResult,
-    start_call,
-)
+from rlft.rollout.agent.tools import ERROR_KINDS, PendingCall, Tool, ToolResult, start_call
+from rlft.rollout.continuous import TurnRequest
 from rlft.rollout.contract import Completion, Engine, Episode, SamplingParams
 
 _MARKER = "\x00RLFT_ASSISTANT\x00"
@@ -199,8 +188,11 @@ class TurnDriver:
         self.encoder = ObservationEncoder(tokenizer, [t.schema for t in tools], parser.syntax, tools_prompt)
 
     def run(self, prompts: Sequence[Messages], params: SamplingParams, first_prompt: int = 0,
-            rows: Sequence[EpisodeRow] | None = None) -> list[Completion]:
-        """`rows`: each prompt's row, which an environment is started from (default: no fields)."""
+            rows: Sequence[EpisodeRow] | None = None, engine: Engine | None = None) -> list[Completion]:
+        """`rows`: each prompt's row, which an environment is started from (default: no fields).
+        `engine`: what this call's turns sample from, when not the driver's own (an async run's
+        evaluations sample on the loop's engine while its sampler thread uses the driver's)."""
+        engine = engine or self.engine
         lim = self.limits
         prompts, envs = self._start_environments(prompts, params.n, first_prompt, rows)
         prompt_ids = [self.encoder.prompt_ids(m) for m in prompts]
@@ -211,10 +203,10 @@ class TurnDriver:
                       record=Episode(list(m), max_tokens=lim.max_total_tokens,
                                      env_rewards=None if envs[i][k] is None else []))
                 for i, (m, ids) in enumerate(zip(prompts, prompt_ids)) for k in range(params.n)]
-        opener = getattr(self.engine, "continuous", None) if self.schedule == "continuous" else None
+        opener = getattr(engine, "continuous", None) if self.schedule == "continuous" else None
         batch = None if opener is None else opener(params)
         if batch is None:
-            self._rounds(live, params, first_prompt)
+            self._rounds(engine, live, params, first_prompt)
         else:
             self._continuous(batch, live, params, first_prompt)
         if self.check_drift:
@@ -222,7 +214,7 @@ class TurnDriver:
                 ep.record.retokenize_drift = self._drift(ep)
         return [self._completion(e) for e in live]
 
-    def _rounds(self, live: list[_Live], params: SamplingParams, first_prompt: int) -> None:
+    def _rounds(self, engine: Engine, live: list[_Live], params: SamplingParams, first_prompt: int) -> None:
         """Every live episode's next turn in one engine call, then every call of the round."""
         lim, turn = self.limits, 0
         while live:
@@ -231,10 +223,10 @@ class TurnDriver:
             turn_params = dataclasses.replace(params, n=params.n if turn == 1 else 1,
                                               max_new_tokens=min(params.max_new_tokens, budget))
             if turn == 1:
-                outs = self.engine.generate([e.prompt_ids for e in live[::params.n]], turn_params,
+                outs = engine.generate([e.prompt_ids for e in live[::params.n]], turn_params,
                                             first_prompt=first_prompt)
             else:
-                outs = self.engine.generate([e.prompt_ids + e.ids for e in live], turn_params,
+                outs = engine.generate([e.prompt_ids + e.ids for e in live], turn_params,
                                             streams=[self._stream_name(e, params.n, first_prompt, turn) for e in live])
             wanting: list[tuple[_Live, list]] = []
             going_on = []
@@ -250,8 +242,6 @@ class TurnDriver:
     def _continuous(self, batch: Any, live: list[_Live], params: SamplingParams, first_prompt: int) -> None:
         """Each episode's next turn joins the engine's batch as soon as the episode can take it (its
         calls returned), while the other episodes keep decoding (rollout/continuous.py)."""
-        from rlft.rollout.continuous import TurnRequest
-
         n = params.n
 
         def request(ep: _Live) -> TurnRequest:

@@ -21,8 +21,11 @@ from rlft.eval.suites import prepare_suites
 from rlft.models.loading import LoadedModel, load_policy
 from rlft.monitor.stats import MetricAccumulator
 from rlft.rollout import build_engine
-from rlft.training.distributed import SINGLE, World, loss_scale, shard
-from rlft.training.session import TrainingSession, evaluation, open_run, run_precision, session_for
+from rlft.training.distributed import SINGLE, World, loss_scale
+from rlft.training.offline.dpo import DpoObjective
+from rlft.training.offline.reward_model import RewardModelObjective
+from rlft.training.offline.sft import SftObjective
+from rlft.training.session import TrainingSession, evaluation, prepared_run
 
 
 class OfflineObjective(Protocol):
@@ -50,17 +53,11 @@ def make_objective(config: Config) -> OfflineObjective:
     """The offline objective of `config.method`, given the config sections it reads."""
     chunk = config.training.micro_batch_size or config.training.batch_size
     if config.method == "sft":
-        from rlft.training.offline.sft import SftObjective
-
         return SftObjective(config.data, config.eval, config.rewards, config.seed, config.scoring,
                             packing=config.training.packing, agent=config.agent)
     if config.method == "dpo":
-        from rlft.training.offline.dpo import DpoObjective
-
         return DpoObjective(config.data, config.dpo, chunk, config.seed, packing=config.training.packing)
     if config.method == "reward_model":
-        from rlft.training.offline.reward_model import RewardModelObjective
-
         return RewardModelObjective(config.data, config.reward_model, chunk, config.seed,
                                     packing=config.training.packing)
     raise ValueError(f"{config.method!r} is not an offline method")
@@ -69,24 +66,15 @@ def make_objective(config: Config) -> OfflineObjective:
 def run_offline(config: Config, objective: OfflineObjective | None = None,
                 policy: LoadedModel | None = None, world: World = SINGLE) -> dict[str, Any]:
     objective = objective or make_objective(config)
-    with open_run(config, world) as run:
-        precision = run_precision(config, world)
+    with prepared_run(config, world) as setup:
         policy = policy or getattr(objective, "load_model", load_policy)(config.model, config.lora,
-                                                                        precision.weight_dtype)
+                                                                        setup.precision.weight_dtype)
         train, evals, data_summary = objective.prepare(policy)  # also makes DPO's reference copy
         if data_summary:
-            run.update_summary(data_summary)
-        if world.active:  # shard what trains (and a frozen reference copy) across the ranks
-            policy.make_mirror()
-            shard(policy.model, world)
-            reference = getattr(objective, "reference", None)
-            if reference is not None and reference.frozen_copy is not None:
-                shard(reference.frozen_copy, world)
-        session = session_for(config, run, policy, world, precision)
-        try:
-            return _train(config, objective, session, train, evals)
-        finally:
-            session.loggers.close()
+            setup.run.update_summary(data_summary)
+        # a distributed run shards what trains, and a frozen reference copy, across the ranks
+        session = setup.session(policy, frozen=(getattr(objective, "reference", None),))
+        return _train(config, objective, session, train, evals)
 
 
 def _train(config: Config, objective: OfflineObjective, session: TrainingSession, train: TrainRows | list[Any],
@@ -107,52 +95,54 @@ def _train(config: Config, objective: OfflineObjective, session: TrainingSession
                             config.data.on_invalid, config.scoring)
     suite_engine = build_engine(policy.unsharded(), config.seed, batch_size=config.eval.batch_size) if suites else None
     session.start(total, objective.progress_keys, objective.title)
-    session.resume()
-    model = policy.model
-    model.train()
     eval_metrics: dict[str, float] = {}
     try:
-        def done() -> bool:
-            return session.step >= total or session.stopping
+        # signal handlers while the loop runs, gone when it ends (an error included): see session.running
+        with session.running():
+            session.resume()
+            model = policy.model
+            model.train()
 
-        while cursor.epoch < tc.epochs and not done():
-            epoch = cursor.epoch
-            order = train.order(epoch)
-            while cursor.epoch == epoch and not done():
-                b = cursor.batch
-                examples = [train.examples[i] for i in order[b * batch:(b + 1) * batch]]
-                metrics = _train_step(session, objective, model, examples, micro)
-                cursor.advance(steps_per_epoch)
-                if metrics is None:  # skipped: non-finite loss or gradient
-                    continue
-                metrics["epoch"] = epoch + (b + 1) / steps_per_epoch
-                failed = None
-                if evals and session.eval_due():
-                    session.sync_mirror()  # generation evals sample from the whole weights
-                    with session.autocast():
-                        eval_metrics, failed = evaluation(lambda: objective.evaluate(policy, evals))
-                    metrics.update(eval_metrics)
-                    model.train()
-                if suites and failed is None:
-                    suite_metrics, failed = session.evaluate_suites(suite_engine, suites, config.seed)
-                    metrics.update(suite_metrics)
-                    eval_metrics.update(suite_metrics)
-                    model.train()
-                session.log(metrics)
+            def done() -> bool:
+                return session.step >= total or session.stopping
+
+            while cursor.epoch < tc.epochs and not done():
+                epoch = cursor.epoch
+                order = train.order(epoch)
+                while cursor.epoch == epoch and not done():
+                    b = cursor.batch
+                    examples = [train.examples[i] for i in order[b * batch:(b + 1) * batch]]
+                    metrics = _train_step(session, objective, model, examples, micro)
+                    cursor.advance(steps_per_epoch)
+                    if metrics is None:  # skipped: non-finite loss or gradient
+                        continue
+                    metrics["epoch"] = epoch + (b + 1) / steps_per_epoch
+                    failed = None
+                    if evals and session.eval_due():
+                        session.sync_mirror()  # generation evals sample from the whole weights
+                        with session.autocast():
+                            eval_metrics, failed = evaluation(lambda: objective.evaluate(policy, evals))
+                        metrics.update(eval_metrics)
+                        model.train()
+                    if suites and failed is None:
+                        suite_metrics, failed = session.evaluate_suites(suite_engine, suites, config.seed)
+                        metrics.update(suite_metrics)
+                        eval_metrics.update(suite_metrics)
+                        model.train()
+                    session.log(metrics)
+                    if failed is not None:
+                        session.fail_evaluation(failed)
+                    if session.checkpoint_due():
+                        session.save_checkpoint()
+            if evals and not session.stopping and session.step < total:  # ended early (skipped steps)
+                session.sync_mirror()
+                with session.autocast():
+                    eval_metrics, failed = evaluation(lambda: objective.evaluate(policy, evals))
+                session.log_eval(eval_metrics)
                 if failed is not None:
                     session.fail_evaluation(failed)
-                if session.checkpoint_due():
-                    session.save_checkpoint()
-        if evals and not session.stopping and session.step < total:  # ended early (skipped steps)
-            session.sync_mirror()
-            with session.autocast():
-                eval_metrics, failed = evaluation(lambda: objective.evaluate(policy, evals))
-            session.log_eval(eval_metrics)
-            if failed is not None:
-                session.fail_evaluation(failed)
     finally:
         session.close_display()
-        session._restore_signal_handlers()  # also when an error ends the run (a notebook keeps its Ctrl-C)
     train_metrics = _last_train_metrics(session)
     return session.finish({**train_metrics, **eval_metrics})
 

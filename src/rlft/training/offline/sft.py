@@ -13,13 +13,13 @@ from rlft.data.mixing import TrainRows, read_train_rows
 from rlft.data.prompts import PromptExample, prompt_example
 from rlft.data.readers import read_rows
 from rlft.data.sft_examples import SftExample, collate_sft, make_sft_encoder
+from rlft.data.tool_transcripts import tool_transcripts
 from rlft.data.validate import check_rows
 from rlft.eval.generation import evaluate_prompts
 from rlft.models.forward import sft_token_nll
 from rlft.models.loading import LoadedModel
 from rlft.models.template import end_of_turn_ids
 from rlft.rewards.scoring import build_scorer
-from rlft.data.tool_transcripts import tool_transcripts
 from rlft.rollout import build_engine
 
 

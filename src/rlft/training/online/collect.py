@@ -19,9 +19,9 @@ from rlft.data.prompts import PromptExample
 from rlft.errors import EnvironmentFailed, RankStopped, RewardError
 from rlft.monitor.stats import world_sums
 from rlft.rewards.scoring import RewardScorer, Scores, score_completions
-from rlft.rollout.contract import Completion, Engine, SamplingParams
 from rlft.rollout.agent.environments import EpisodeRow
 from rlft.rollout.agent.turns import TurnDriver, episode_metrics
+from rlft.rollout.contract import Completion, Engine, SamplingParams
 from rlft.training.distributed import SINGLE, World
 
 

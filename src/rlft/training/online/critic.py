@@ -22,13 +22,14 @@ from torch import Tensor, nn
 from rlft.algorithms import ADVANTAGE_ESTIMATORS, aggregate, clipped_value_loss, whiten
 from rlft.config import Config, CriticConfig, LoraConfig
 from rlft.models.forward import completion_logprobs, logits_run, position_ids_for, shared_layout
+from rlft.models.hub import hub_source
 from rlft.models.loading import apply_lora, resolve_dtype
 from rlft.models.precision import autocast_to
 from rlft.monitor.stats import MetricAccumulator
 from rlft.rollout.batch import RolloutBatch
-from rlft.training.optim import build_optimizer, build_scheduler, clip_gradients
 from rlft.training.distributed import SINGLE, World, full_state_dict, loss_scale, reshard, shard
-from rlft.training.online.update import ExtraLoss, Trainer, UpdateSettings, lockstep_chunks
+from rlft.training.online.update import ExtraLoss, Trainer, UpdateSettings, lockstep_chunks, minibatch_schedule
+from rlft.training.optim import build_optimizer, build_scheduler, clip_gradients
 
 
 class Critic(Protocol):
@@ -93,18 +94,15 @@ class _ValueTargets:
         """(micro-batch row sets, global token count) per minibatch, epochs x minibatches like the
         policy; in lockstep over ranks (a None row set: a throwaway micro-batch, see rl_update)."""
         s, mask = self.settings, self.loss_mask(batch)
-        for _ in range(s.epochs):
-            order = torch.randperm(batch.size, generator=generator) if s.minibatches > 1 else torch.arange(batch.size)
-            for chunk in order.chunk(s.minibatches):
-                chunk = chunk.to(batch.input_ids.device)
-                chunk = chunk[mask[chunk].any(-1)]
-                if s.shared_prefix != "off":  # a group's rows in one micro-batch: one copy of their prompt
-                    chunk = chunk[batch.group_ids[chunk].argsort(stable=True)]
-                tokens = world.sum([float(mask[chunk].sum())])[0]
-                if tokens == 0:
-                    continue
-                sets = list(chunk.split(s.micro_batch_size or max(chunk.numel(), 1))) if chunk.numel() else []
-                yield sets + [None] * (int(world.max([len(sets)])[0]) - len(sets)), tokens
+        for chunk in minibatch_schedule(batch.size, s, generator, batch.input_ids.device):
+            chunk = chunk[mask[chunk].any(-1)]
+            if s.shared_prefix != "off":  # a group's rows in one micro-batch: one copy of their prompt
+                chunk = chunk[batch.group_ids[chunk].argsort(stable=True)]
+            tokens = world.sum([float(mask[chunk].sum())])[0]
+            if tokens == 0:
+                continue
+            sets = list(chunk.split(s.micro_batch_size or max(chunk.numel(), 1))) if chunk.numel() else []
+            yield sets + [None] * (int(world.max([len(sets)])[0]) - len(sets)), tokens
 
 
 class SeparateCritic:
@@ -116,7 +114,6 @@ class SeparateCritic:
         from transformers import AutoConfig, AutoModelForTokenClassification
 
         c, m = config.critic, config.model
-        from rlft.models.hub import hub_source
 
         path = hub_source(c.path or m.path, None if c.path else m.revision, "critic.path" if c.path else "model.path")
         model_config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=m.trust_remote_code)

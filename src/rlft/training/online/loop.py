@@ -31,25 +31,25 @@ from rlft.eval.suites import prepare_suites
 from rlft.models.loading import Reference, disable_dropout, load_policy, resolve_device
 from rlft.monitor.catalogue import STALENESS_SPLIT, staleness_key
 from rlft.monitor.checks import infra_error_message
-from rlft.rewards.calls import ScoringInterrupted
 from rlft.monitor.stats import world_sums
+from rlft.rewards.calls import ScoringInterrupted
 from rlft.rewards.scoring import RewardScorer, Scores, build_scorer
 from rlft.rollout import Engine, build_engine, rollout_dtype, rollout_engine, sampling_params
-from rlft.rollout.agent import agent_driver, turn_driver
+from rlft.rollout.agent import agent_driver
 from rlft.rollout.batch import RolloutBatch
 from rlft.rollout.contract import trained_segments
 from rlft.rollout.hf import HFEngine
 from rlft.rollout.sampler_process import ProcessEngine, use_process
+from rlft.training.distributed import SINGLE, World, gather_rows
+from rlft.training.host_memory import release_free_heap
 from rlft.training.online.collect import Rollout
 from rlft.training.online.critic import Critic, build_critic
-from rlft.training.host_memory import release_free_heap
-from rlft.training.online.update import UpdateSettings, policy_update, reference_logprobs, token_rewards
 from rlft.training.online.distill import Teacher, load_teacher
-from rlft.training.distributed import SINGLE, World, gather_rows, shard
 from rlft.training.online.rollouts import (AsyncRollouts, RolloutMaker, SamplerFailed, SharedScorer, SyncRollouts,
-                                          check_async_ranks, sampler_copy)
-from rlft.training.session import TrainingSession, evaluation, open_run, run_precision, session_for
+                                           check_async_ranks, sampler_copy)
 from rlft.training.online.sft_mix import build_sft_mix
+from rlft.training.online.update import UpdateSettings, policy_update, reference_logprobs, token_rewards
+from rlft.training.session import TrainingSession, evaluation, prepared_run
 
 PROGRESS_KEYS = ["reward/mean", "kl", "entropy", "completion/length_mean", "clip/high_frac", "eval/accuracy"]
 
@@ -64,24 +64,16 @@ def load_prompts(data: DataConfig, tokenizer: Any, source: str, split: str, kind
 def run_online(config: Config, world: World = SINGLE, trim_heap: bool = True) -> dict[str, Any]:
     """`trim_heap`: hand the C heap's freed pages back to the OS between a step's phases (CPU; the
     memory fit turns it off when memory is plentiful, see training.host_memory)."""
-    with open_run(config, world) as run:
-        precision = run_precision(config, world)
+    with prepared_run(config, world) as setup:
+        precision = setup.precision
         sample_dtype = rollout_dtype(config.rollout.dtype, precision, resolve_device(config.model.device))
         policy = load_policy(config.model, config.lora, precision.weight_dtype)
         disable_dropout(policy.model)  # on-policy, pi / pi_old must be exactly 1 (see rl_update)
         reference = Reference(policy) if config.needs_reference else None  # the starting weights
         teacher = load_teacher(config, policy.tokenizer, precision.weight_dtype) if config.teacher else None
-        if world.active:  # shard what trains (and the frozen reference and teacher) across the ranks
-            policy.make_mirror()
-            shard(policy.model, world)
-            for frozen in (reference, teacher):
-                if frozen is not None and frozen.frozen_copy is not None:
-                    shard(frozen.frozen_copy, world)
-        session = session_for(config, run, policy, world, precision)
-        try:
-            return _train(config, session, reference, sample_dtype, teacher, trim_heap)
-        finally:
-            session.loggers.close()
+        # a distributed run shards what trains, and the frozen reference and teacher, across the ranks
+        session = setup.session(policy, frozen=(reference, teacher))
+        return _train(config, session, reference, sample_dtype, teacher, trim_heap)
 
 
 @dataclass
@@ -90,7 +82,7 @@ class Online:
 
     rollouts: SyncRollouts | AsyncRollouts  # the steps' scored rollouts
     engine: Engine  # evaluations sample with it (with rollout.async_steps = 0 the rollouts too)
-    driver: Any  # evaluations' turn driver (agent episodes), on `engine`
+    driver: Any  # the run's turn driver (agent episodes); evaluations sample its turns on `engine`
     scorer: Any  # evaluations' rewards
     train_rows: TrainRows
     evals: list[PromptExample]
@@ -126,13 +118,10 @@ def build_online(config: Config, session: TrainingSession, sample_dtype: torch.d
         raise ConfigError(f"eval.correct_component {correct!r} (per-source accuracy) is not a reward component; "
                           f"choose one of {components}")
     engine, sample_engine, sampler_model = _engines(config, policy.unsharded(), sample_dtype, world.active)
-    driver = eval_driver = None
-    if config.agent is not None:  # each rank runs its share's episodes (collect_rollout)
-        driver = agent_driver(config.agent, sample_engine, policy.tokenizer,
-                              [prompts, evals, *(p.examples for p in suites)], d.max_prompt_length, config.seed)
-        # evaluations run their episodes on the loop's thread, so with its engine
-        eval_driver = driver if engine is sample_engine else \
-            turn_driver(config.agent, engine, policy.tokenizer, config.seed, d.max_prompt_length)
+    # each rank runs its share's episodes (collect_rollout); evaluations run theirs on the loop's
+    # thread, so on its engine (`driver.run(..., engine=)`), with the same driver
+    driver = agent_driver(config.agent, sample_engine, policy.tokenizer,
+                          [prompts, evals, *(p.examples for p in suites)], d.max_prompt_length, config.seed)
     kl_ctl = make_kl_controller(a.kl_coef, a.kl_target, a.kl_adapt_factor, a.kl_controller, a.kl_horizon)
     sampler = PromptSampler(len(train_rows), config.seed, d.shuffle, order=train_rows.order)
     update_gen = torch.Generator().manual_seed(config.seed)
@@ -148,8 +137,8 @@ def build_online(config: Config, session: TrainingSession, sample_dtype: torch.d
                        ("critic", critic), ("sft_mix", sft_mix)):
         if part is not None:  # batches sampled but not yet trained on survive only in an async run's queue
             session.register(name, _GeneratorState(part) if isinstance(part, torch.Generator) else part)
-    return Online(rollouts, engine, eval_driver, eval_scorer, train_rows, evals, suites, correct, kl_ctl, update_gen, settings,
-                  critic, sft_mix, total, list({id(e): e for e in (sample_engine, engine)}.values()))
+    return Online(rollouts, engine, driver, eval_scorer, train_rows, evals, suites, correct, kl_ctl, update_gen,
+                  settings, critic, sft_mix, total, list({id(e): e for e in (sample_engine, engine)}.values()))
 
 
 def _scorer(config: Config, session: TrainingSession) -> RewardScorer:
@@ -207,54 +196,55 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
     o = build_online(config, session, sample_dtype)
     rollouts, critic = o.rollouts, o.critic
     session.start(o.total, PROGRESS_KEYS, config.method, updates_per_step=a.epochs * a.minibatches)
-    session.resume()
-    rollouts.start(session.step)
-
     last: dict[str, float] = {}
     eval_metrics: dict[str, float] = {}
     try:
-        while session.step < o.total and not session.stopping:
-            start = time.perf_counter()
-            try:
-                rollout = rollouts.take()
-            except ScoringInterrupted:  # Ctrl-C while rewards ran: finish() saves the last completed step
-                rollouts.restore()
-                break
-            except (RewardError, EnvironmentFailed, SamplerFailed, RankStopped) as exc:
-                _halt(session, rollouts, str(exc))
-            trim(session.policy.device)  # the freed sampling buffers (CPU: see host_memory)
-            rollout.metrics.update(world_sums(world, _scoring_report(session, rollout.scoring_report)))
-            _check_infra(session, rollout, config.scoring.max_infra_error_rate, rollouts)
-            metrics = online_step(session, rollout, reference, o.kl_ctl, o.settings, o.update_gen, critic, o.sft_mix,
-                                  teacher)
-            trim(session.policy.device)  # the update's freed activations
-            session.sync_mirror()  # a distributed run's whole copy, which the engine samples from
-            rollouts.trained()  # the engine (or the sampler thread) takes the new weights
-            if metrics is None:  # every update was skipped (non-finite): draw a new batch
-                continue
-            session.step += 1
-            if o.train_rows.mixed:
-                metrics.update(_source_metrics(world, rollout, o.correct, config.eval.correct_threshold))
-            texts = [t for part in world.gather([c.text for c in rollout.completions]) for t in part]
-            metrics.update(session.monitor.completion_metrics(texts))
-            metrics["time/step"] = time.perf_counter() - start
-            metrics["tokens_per_s"] = metrics["completion/tokens"] / metrics["time/step"]
-            failed = None
-            if o.evals and session.eval_due():
-                eval_metrics, failed = _evaluate(session, o.engine, o.evals, config, o.scorer, o.driver)
-                metrics.update(eval_metrics)
-            if o.suites and failed is None:
-                suite_metrics, failed = session.evaluate_suites(o.engine, o.suites, config.seed, metrics["reward/mean"],
-                                                                o.driver)
-                metrics.update(suite_metrics)
-                eval_metrics.update(suite_metrics)
-            _log_samples(session, rollout, config.logging.num_samples, config.logging.sample_every)
-            session.log(metrics)
-            last = metrics
-            if failed is not None:  # the step itself is complete: it is what the checkpoint holds
-                session.fail_evaluation(failed)
-            if session.checkpoint_due():
-                session.save_checkpoint()
+        # signal handlers while the loop runs, gone when it ends (an error included): see session.running
+        with session.running():
+            session.resume()
+            rollouts.start(session.step)
+            while session.step < o.total and not session.stopping:
+                start = time.perf_counter()
+                try:
+                    rollout = rollouts.take()
+                except ScoringInterrupted:  # Ctrl-C while rewards ran: finish() saves the last completed step
+                    rollouts.restore()
+                    break
+                except (RewardError, EnvironmentFailed, SamplerFailed, RankStopped) as exc:
+                    _halt(session, rollouts, str(exc))
+                trim(session.policy.device)  # the freed sampling buffers (CPU: see host_memory)
+                rollout.metrics.update(world_sums(world, _scoring_report(session, rollout.scoring_report)))
+                _check_infra(session, rollout, config.scoring.max_infra_error_rate, rollouts)
+                metrics = online_step(session, rollout, reference, o.kl_ctl, o.settings, o.update_gen, critic,
+                                      o.sft_mix, teacher)
+                trim(session.policy.device)  # the update's freed activations
+                session.sync_mirror()  # a distributed run's whole copy, which the engine samples from
+                rollouts.trained()  # the engine (or the sampler thread) takes the new weights
+                if metrics is None:  # every update was skipped (non-finite): draw a new batch
+                    continue
+                session.step += 1
+                if o.train_rows.mixed:
+                    metrics.update(_source_metrics(world, rollout, o.correct, config.eval.correct_threshold))
+                texts = [t for part in world.gather([c.text for c in rollout.completions]) for t in part]
+                metrics.update(session.monitor.completion_metrics(texts))
+                metrics["time/step"] = time.perf_counter() - start
+                metrics["tokens_per_s"] = metrics["completion/tokens"] / metrics["time/step"]
+                failed = None
+                if o.evals and session.eval_due():
+                    eval_metrics, failed = _evaluate(session, o.engine, o.evals, config, o.scorer, o.driver)
+                    metrics.update(eval_metrics)
+                if o.suites and failed is None:
+                    suite_metrics, failed = session.evaluate_suites(o.engine, o.suites, config.seed,
+                                                                    metrics["reward/mean"], o.driver)
+                    metrics.update(suite_metrics)
+                    eval_metrics.update(suite_metrics)
+                _log_samples(session, rollout, config.logging.num_samples, config.logging.sample_every)
+                session.log(metrics)
+                last = metrics
+                if failed is not None:  # the step itself is complete: it is what the checkpoint holds
+                    session.fail_evaluation(failed)
+                if session.checkpoint_due():
+                    session.save_checkpoint()
         train_summary = {f"train/{k}": v for k, v in last.items() if k in ("reward/mean", "kl", "entropy")}
         session.close_display()
         summary = session.finish({**train_summary, **eval_metrics})
@@ -263,7 +253,6 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
         return summary
     finally:
         session.close_display()
-        session._restore_signal_handlers()  # also when an error ends the run (a notebook keeps its Ctrl-C)
         rollouts.close(wait=sys.exc_info()[0] is None)  # the sampler thread is done with its engine
         # last: a vLLM engine tears down the process group it joined (in a distributed run, ours),
         # so every rank must be past its last collective first

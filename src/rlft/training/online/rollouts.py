@@ -49,8 +49,8 @@ from rlft.rewards.scores import Scores
 from rlft.rewards.scoring import RewardScorer
 from rlft.rollout.contract import Completion, Engine, SamplingParams
 from rlft.training import checkpoint as ckpt
-from rlft.training.online.collect import Rollout, collect_rollout, first_failure, reduce_rollout
 from rlft.training.distributed import SINGLE, World
+from rlft.training.online.collect import Rollout, collect_rollout, first_failure, reduce_rollout
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ from rlft.config import Config
 from rlft.data.order import PromptSampler
 from rlft.data.readers import read_rows
 from rlft.data.sft_examples import SftExample, collate_sft, make_sft_encoder
+from rlft.data.tool_transcripts import tool_transcripts
 from rlft.data.validate import check_rows
 from rlft.models.forward import sft_token_nll
 from rlft.models.template import end_of_turn_ids
@@ -59,8 +60,6 @@ def build_sft_mix(config: Config, tokenizer: Any, world: World = SINGLE) -> SftM
     # with tools, the SFT rows are shown the tools and written in the call syntax the episodes use
     transcripts = None
     if config.agent is not None:
-        from rlft.data.tool_transcripts import tool_transcripts
-
         transcripts = tool_transcripts(config.agent, tokenizer)
     encode = make_sft_encoder(tokenizer, end_of_turn_ids(tokenizer), d.max_length, d.max_prompt_length,
                               transcripts=transcripts)

@@ -15,7 +15,7 @@ runs k steps behind: the mismatch then includes those k steps).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 import torch
 from torch import Tensor
@@ -26,8 +26,8 @@ from rlft.config import Config
 from rlft.models.forward import completion_logprobs
 from rlft.models.loading import Reference
 from rlft.monitor.stats import MetricAccumulator
-from rlft.training.distributed import SINGLE, World, loss_scale
 from rlft.rollout.batch import RolloutBatch
+from rlft.training.distributed import SINGLE, World, loss_scale
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,37 @@ class ExtraLoss(Protocol):
 
     def __call__(self, sub: RolloutBatch, rows: Tensor, hidden: Tensor | None, mask: Tensor,
                  num_tokens: float) -> tuple[Tensor, dict[str, float]]: ...
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """What the policy loss reads per token besides its own forward, for the whole batch; `rows()`
+    cuts out a micro-batch's (the sampler's log-probs already travel in the micro-batch itself)."""
+
+    advantages: Tensor  # [N, T]
+    loss_mask: Tensor  # [N, T] bool
+    old_logprobs: Tensor | None  # [N, T]; None: single pass, the training forward is pi_old
+    ref_logprobs: Tensor | None  # [N, T]; None: no KL term in the loss
+
+    def rows(self, rows: Tensor, width: int) -> "LossInputs":
+        """These rows, cut to a micro-batch's `width` completion columns (each `[n, width]`)."""
+        return LossInputs(self.advantages[rows, :width], self.loss_mask[rows, :width],
+                          _cut(self.old_logprobs, rows, width), _cut(self.ref_logprobs, rows, width))
+
+
+def _cut(values: Tensor | None, rows: Tensor, width: int) -> Tensor | None:
+    return None if values is None else values[rows, :width]  # [n, width]
+
+
+def minibatch_schedule(batch_size: int, s: UpdateSettings, generator: torch.Generator,
+                       device: torch.device | None = None) -> Iterator[Tensor]:
+    """The rows of each minibatch (`[m]`), epochs x minibatches: the one schedule of the policy
+    and the critic updates, one permutation per epoch from `generator`, drawn as the epoch begins and
+    only with several minibatches (runs and resumes are compared bitwise, so the draws must not move)."""
+    for _ in range(s.epochs):
+        order = torch.randperm(batch_size, generator=generator) if s.minibatches > 1 else torch.arange(batch_size)
+        for chunk in order.chunk(s.minibatches):
+            yield chunk.to(device) if device is not None else chunk
 
 
 def token_rewards(rewards: list[float | None], batch: RolloutBatch, kl_penalty: Tensor | None) -> Tensor:
@@ -193,59 +224,57 @@ def policy_update(trainer: Trainer, batch: RolloutBatch, advantages: Tensor, ref
             old_logprobs = batch_logprobs(model, batch, s.temperature, s.micro_batch_size, world, s.packing,
                                           s.shared_prefix)
         stats.add(engine_mismatch(old_logprobs, batch.sampling_logprobs, loss_mask))
+    # the minibatches and micro-batches below only choose rows of these
+    inputs = LossInputs(advantages, loss_mask, old_logprobs, ref_logprobs if use_kl else None)
     applied_steps, stepped = 0, False
-    for _ in range(s.epochs):
-        order = torch.randperm(batch.size, generator=generator) if s.minibatches > 1 else torch.arange(batch.size)
-        for chunk in order.chunk(s.minibatches):
-            chunk = chunk.to(batch.input_ids.device)
-            # the minibatch's normalisers count every rank's tokens: the ranks' losses add up to it
-            tokens, sequences = world.sum([float(loss_mask[chunk].sum()), float(loss_mask[chunk].any(-1).sum())])
-            norms = {"num_tokens": tokens, "num_sequences": sequences}
-            rows = chunk[carries_signal[chunk]]
-            if aux is None and not world.any(rows.numel() > 0):  # no rank has a row that moves the loss
-                stats.add({"update/skipped_no_signal": 1.0})
-                continue
-            micro = _micro_batches(batch, rows, s.micro_batch_size, s.shared_prefix != "off") if rows.numel() else []
-            loss_value = 0.0
-            for i in range(int(world.max([len(micro)])[0])):
-                real = i < len(micro)
-                micro_rows = micro[i] if real else torch.zeros(1, dtype=torch.long, device=chunk.device)
-                sub = batch.select(micro_rows)
-                mask = loss_mask[micro_rows, : sub.completion_len]
-                old = None if old_logprobs is None else old_logprobs[micro_rows, : sub.completion_len]
-                ref = ref_logprobs[micro_rows, : sub.completion_len] if use_kl else None
-                # the engine's numbers against the trainer's, before any update (bypass: its first one)
-                measure = old is None or (bypass and not stepped)  # (no step yet: none applied either)
-                with trainer.autocast():
-                    loss, m = _micro_loss(model, sub, micro_rows, mask, advantages, old, ref, beta, s, norms, extra,
-                                          measure)
-                # a throwaway micro-batch (a rank with fewer rows) only keeps the collectives in step
-                trainer.backward(loss * (loss_scale(world) if real else 0.0))
-                if real:
-                    loss_value += float(loss.detach())
-                    stats.add(m, float(mask.sum()))
-            if aux is not None:  # one batch of its rows per optimizer step, on every rank
-                with trainer.autocast():
-                    aux_loss, m = aux(model)
-                trainer.backward(aux_loss * loss_scale(world))
-                loss_value += float(aux_loss.detach())
-                stats.add(m)
-            applied, grad_norm = trainer.optimizer_step(loss_value)
-            stepped = True
-            if applied:
-                applied_steps += 1
-                stats.add({"loss": world.sum([loss_value])[0], "grad_norm": grad_norm})
+    for chunk in minibatch_schedule(batch.size, s, generator, batch.input_ids.device):
+        # the minibatch's normalisers count every rank's tokens: the ranks' losses add up to it
+        tokens, sequences = world.sum([float(loss_mask[chunk].sum()), float(loss_mask[chunk].any(-1).sum())])
+        norms = {"num_tokens": tokens, "num_sequences": sequences}
+        rows = chunk[carries_signal[chunk]]
+        if aux is None and not world.any(rows.numel() > 0):  # no rank has a row that moves the loss
+            stats.add({"update/skipped_no_signal": 1.0})
+            continue
+        micro = _micro_batches(batch, rows, s.micro_batch_size, s.shared_prefix != "off") if rows.numel() else []
+        loss_value = 0.0
+        for i in range(int(world.max([len(micro)])[0])):
+            real = i < len(micro)
+            micro_rows = micro[i] if real else torch.zeros(1, dtype=torch.long, device=chunk.device)
+            sub = batch.select(micro_rows)
+            part = inputs.rows(micro_rows, sub.completion_len)
+            # the engine's numbers against the trainer's, before any update (bypass: its first one)
+            measure = part.old_logprobs is None or (bypass and not stepped)  # (no step yet: none applied either)
+            with trainer.autocast():
+                loss, m = _micro_loss(model, sub, micro_rows, part, beta, s, norms, extra, measure)
+            # a throwaway micro-batch (a rank with fewer rows) only keeps the collectives in step
+            trainer.backward(loss * (loss_scale(world) if real else 0.0))
+            if real:
+                loss_value += float(loss.detach())
+                stats.add(m, float(part.loss_mask.sum()))
+        if aux is not None:  # one batch of its rows per optimizer step, on every rank
+            with trainer.autocast():
+                aux_loss, m = aux(model)
+            trainer.backward(aux_loss * loss_scale(world))
+            loss_value += float(aux_loss.detach())
+            stats.add(m)
+        applied, grad_norm = trainer.optimizer_step(loss_value)
+        stepped = True
+        if applied:
+            applied_steps += 1
+            stats.add({"loss": world.sum([loss_value])[0], "grad_norm": grad_norm})
     out = stats.reduce(world).means()
     out["update/optimizer_steps"] = float(applied_steps)
     return out
 
 
-def _micro_loss(model: Any, sub: RolloutBatch, rows: Tensor, mask: Tensor, advantages: Tensor, old: Tensor | None,
-                ref: Tensor | None, beta: float, s: UpdateSettings, norms: dict[str, float],
-                extra: ExtraLoss | None, measure_engine: bool = False) -> tuple[Tensor, dict[str, float]]:
-    """The loss of one micro-batch, already divided by the minibatch's global normalisers.
-    `measure_engine`: also compare the engine's sampling log-probs with this forward's."""
+def _micro_loss(model: Any, sub: RolloutBatch, rows: Tensor, inputs: LossInputs, beta: float, s: UpdateSettings,
+                norms: dict[str, float], extra: ExtraLoss | None,
+                measure_engine: bool = False) -> tuple[Tensor, dict[str, float]]:
+    """The loss of one micro-batch (`sub`: the batch's `rows`; `inputs`: cut to them), already divided
+    by the minibatch's global normalisers. `measure_engine`: also compare the engine's sampling
+    log-probs with this forward's."""
     t = sub.completion_len
+    mask, old, ref = inputs.loss_mask, inputs.old_logprobs, inputs.ref_logprobs  # [n, t]
     want_hidden = extra is not None and extra.needs_hidden
     out = completion_logprobs(model, sub.input_ids, sub.attention_mask, t, s.temperature,
                               entropy="grad" if s.entropy_coef > 0 else "metric", hidden=want_hidden,
@@ -256,7 +285,7 @@ def _micro_loss(model: Any, sub: RolloutBatch, rows: Tensor, mask: Tensor, advan
         old = logprobs.detach()
     if measure_engine:
         metrics.update(engine_mismatch(logprobs.detach(), sub.sampling_logprobs, mask))
-    per_token, m = POLICY_LOSSES[s.policy_loss](logprobs, old, advantages[rows, :t], mask,
+    per_token, m = POLICY_LOSSES[s.policy_loss](logprobs, old, inputs.advantages, mask,
                                                 clip_low=s.clip_low, clip_high=s.clip_high, dual_clip=s.dual_clip)
     metrics.update(m)
     if s.rollout_correction == "tis":

@@ -1,0 +1,124 @@
+"""What the planner needs from a training config: the model's config.json (read without loading a
+weight), the run's precision and lengths as the run will resolve them, and the report `rlft plan`
+prints for a device."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlft.config import Config
+from rlft.errors import ConfigError, RlftError
+from rlft.models.hub import hub_source
+from rlft.models.precision import resolve_precision
+from rlft.plan.lengths import data_lengths, worst_case_note
+from rlft.plan.memory import PlanInput, Verdict, advise, device_capacity, plan_memory, size_text
+
+
+def plan_precision(config: Config, local_device: Any = None) -> str:
+    """The run's training precision as the planner counts it: training.precision 'auto' resolved
+    for `local_device` (a torch.device: the run's own), or, when planning for a named device, as
+    bf16-mixed (every device the planner knows computes in bf16)."""
+    if local_device is not None:
+        return resolve_precision(config.training.precision, config.model.dtype, local_device).name
+    if config.model.dtype in ("bf16", "fp16") and config.training.precision in ("auto", config.model.dtype):
+        return config.model.dtype
+    return "bf16-mixed" if config.training.precision == "auto" else config.training.precision
+
+
+def _sampler_elsewhere(config: Config) -> bool:
+    """rollout.sampler_device names another device than model.device (what the sampler holds is
+    then planned apart from the trainer's device). 'cuda' is cuda:0: a sampler device is one
+    process's, where rlft leaves the current GPU at 0."""
+    import torch
+
+    named, trainer = config.rollout.sampler_device, config.model.device
+    if named == "auto":
+        return False
+    if trainer == "auto":  # the plan's device: CUDA when one is visible
+        trainer = "cuda" if torch.cuda.is_available() else "cpu"
+    return {"cuda": "cuda:0"}.get(named, named) != {"cuda": "cuda:0"}.get(trainer, trainer)
+
+
+def plan_input_from_config(config: Config, world_size: int = 1, local_device: Any = None, lengths: Any = None) -> Any:
+    """The planner's flat settings for an rlft config: lengths from `lengths` (a
+    plan_lengths.DataLengths: the longest templated row of the data, plus max_new_tokens online) or
+    else the worst case (max prompt + max new tokens; every SFT token a target), the run's precision
+    (see plan_precision: fp32 master weights and AdamW states under *-mixed; fp32 around a 4-bit
+    base) and torch's foreach AdamW as on a GPU."""
+    d, t, r, a = config.data, config.training, config.rollout, config.algorithm
+    precision = plan_precision(config, local_device)
+    # pure bf16 keeps bf16 weights; fp32 and the mixed modes keep fp32 ones
+    param_dtype = precision if precision in ("bf16", "fp16") else "fp32"
+    if config.model.quantization == "4bit":
+        # peft's prepare_model_for_kbit_training upcasts every unquantised weight to fp32, and the
+        # hidden states between the 4-bit linears follow them
+        precision = param_dtype = "fp32"
+    common = dict(lora=config.lora.enabled, lora_r=config.lora.r, lora_dropout=config.lora.dropout,
+                  lora_targets=config.lora.target_modules if isinstance(config.lora.target_modules, str)
+                  else tuple(config.lora.target_modules),
+                  param_dtype=param_dtype, precision=precision, quantization=config.model.quantization,
+                  gradient_checkpointing=config.model.gradient_checkpointing,
+                  attention="eager" if config.model.attn_implementation == "eager" else "sdpa",
+                  world_size=world_size,
+                  **({"device_type": local_device.type} if local_device is not None and
+                     local_device.type in ("cuda", "cpu") else {}))
+    if config.is_online:
+        per_minibatch = max(1, r.group_size * r.prompts_per_step // world_size // a.minibatches)
+        seq_len = lengths.sequence if lengths is not None else d.max_prompt_length + r.max_new_tokens
+        return PlanInput(method="ppo" if config.method == "ppo" else "online", **common,
+                         micro_batch_size=min(a.micro_batch_size or per_minibatch, per_minibatch),
+                         batch_size=per_minibatch, seq_len=seq_len,
+                         completion_len=r.max_new_tokens, group_size=r.group_size, prompts_per_step=r.prompts_per_step,
+                         rollout_batch_size=r.batch_size, reference=a.kl_coef > 0 or a.kl_target is not None,
+                         critic=config.critic.kind, engine=r.engine, fast_decode=r.fast_decode,
+                         shared_prefix=t.shared_prefix, async_steps=r.async_steps,
+                         sampler_elsewhere=_sampler_elsewhere(config))
+    micro = t.micro_batch_size or t.batch_size
+    if lengths is not None:
+        seq_len, targets = lengths.sequence, max(1, min(lengths.targets, lengths.sequence))
+    else:
+        seq_len, targets = d.max_length, d.max_length - 1 if config.method == "dpo" else d.max_length
+    return PlanInput(method=config.method, **common, micro_batch_size=micro, batch_size=t.batch_size,
+                     seq_len=seq_len, completion_len=targets,
+                     reference=config.method == "dpo" and not config.dpo.precompute_ref)
+
+
+def read_model_config(path: str, revision: str | None = None, trust_remote_code: bool = False) -> dict[str, Any]:
+    """config.json of a local folder or a hub id (only that file is read)."""
+    source = hub_source(path, revision, "model.path")  # before the transformers import (seconds)
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code).to_dict()
+    except (OSError, ValueError) as exc:
+        raise RlftError(f"could not read the model's config.json from {path!r}: {exc}\n"
+                        "Fix: model.path must be a local checkpoint folder or a reachable hub id") from None
+
+
+def plan_lengths(config: Config, worst_case: bool = False) -> tuple[Any, str]:
+    """(DataLengths or None, the line that says which lengths the plan assumes)."""
+    lengths = None if worst_case else data_lengths(config)
+    if lengths is not None:
+        return lengths, lengths.describe(config)
+    why = "" if worst_case else " (the data or tokenizer could not be read here)"
+    return None, worst_case_note(config) + why
+
+
+def plan_report(config: Config, device: str | None = None, memory_gb: float | None = None,
+                world_size: int = 1, worst_case: bool = False) -> str:
+    model_cfg = read_model_config(config.model.path, config.model.revision, config.model.trust_remote_code)
+    lengths, note = plan_lengths(config, worst_case)
+    try:
+        setting = plan_input_from_config(config, world_size, lengths=lengths)
+        label, capacity = device_capacity(device, memory_gb)
+        plan = plan_memory(model_cfg, setting)
+    except ValueError as exc:
+        raise ConfigError(f"rlft plan: {exc}") from None
+    verdict = Verdict(label, capacity, plan.total)
+    lines = [f"memory plan for {config.method} on {config.model.path} ({world_size} rank(s))", "", plan.table(), "",
+             "assumptions:", f"  - {note}", *[f"  - {a}" for a in plan.assumptions], "", verdict.text()]
+    advice = advise(model_cfg, setting, capacity)
+    if advice:
+        lines += ["", "changes that lower the peak (largest effect first):"]
+        lines += [f"  - {a.change}: {size_text(a.total)}{' (fits)' if a.fits else ''}" for a in advice]
+    return "\n".join(lines)
