@@ -34,7 +34,7 @@ from rlft.config import LoraConfig, ModelConfig, TrainingConfig
 from rlft.data.sft_examples import collate_sft, make_sft_encoder
 from rlft.data.readers import Row
 from rlft.models import head_logprobs
-from rlft.models.forward import sft_token_nll, token_outputs
+from rlft.models.forward import sft_token_nll
 from rlft.models.loading import load_policy
 from rlft.models.precision import Precision
 from rlft.models.template import end_of_turn_ids

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import ROOT, run_child  # noqa: E402
+from harness import run_child  # noqa: E402
 
 
 def rows(args) -> tuple[list[list[int]], list[list[list[int]]]]:
