@@ -19,6 +19,7 @@ the most tokens any live episode may still take, which depends on the episodes s
 from __future__ import annotations
 
 import json
+import os
 import sys
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -26,6 +27,7 @@ from typing import Any, Iterator
 import torch
 
 torch.set_num_threads(1)
+FAIL_ENV = "DIST_DRIVER_FAIL"  # "RANK@CALL": that rank's replay engine raises at that call (its step CALL + 1)
 
 
 class ReplayEngine:
@@ -39,6 +41,8 @@ class ReplayEngine:
 
         call = self.calls if streams is None else self.calls - 1
         self.calls += streams is None
+        if os.environ.get(FAIL_ENV) == f"{os.environ.get('RANK', '0')}@{call}":  # a bug on one rank's engine
+            raise RuntimeError(f"the replay engine failed at call {call}")
         seeds = request_seeds(0, "replay", call, len(prompts), params.n, first_prompt, streams)
         out = []
         for r, seed in enumerate(seeds):

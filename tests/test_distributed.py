@@ -408,11 +408,124 @@ def test_a_reward_error_on_one_rank_stops_every_rank_at_once(root, method):
     out = result.stdout + result.stderr
     assert time.time() - started < 120, out[-3000:]  # far below dist_timeout_s: no rank waited for the other
     assert "rank one cannot score this" in out, out[-3000:]
-    assert "rank 1 stopped" in out, out[-3000:]
+    assert "rank 1 of 2 failed sampling or scoring its share of " in out, out[-3000:]
     # each rank stops on its own: no rank left waiting in a collective its peer never joined
     assert "[rank0]: rlft.errors.TrainingHalted" in out and "[rank1]: rlft.errors.TrainingHalted" in out, out[-3000:]
     assert "all_gather" not in out, out[-3000:]
     assert (root / name / "checkpoints" / "step-00000001" / "COMPLETE").exists(), out[-3000:]  # saved together
+
+
+@pytest.mark.slow  # ~20 s: a two-rank launch
+def test_any_error_on_one_rank_while_sampling_stops_every_rank_with_it(root):
+    """Not only a reward or an environment: a bug on one rank (here its engine raising at step 2)
+    stopped that rank alone, and the other waited in the batch's vote until torchrun killed it,
+    with no checkpoint and no word of why. Now every rank raises the same error naming rank 1 and
+    the bug (whose traceback rank 1 logs), after saving step 1 together."""
+    name = "engine-error"
+    path = config(root, "grpo", name, dist_timeout_s=300)
+    started = time.time()
+    result = launch(path, timeout=280, env={"DIST_DRIVER_FAIL": "1@1"})
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert time.time() - started < 120, out[-3000:]  # far below dist_timeout_s
+    said = ("rank 1 of 2 failed sampling or scoring its share of the batch: RuntimeError: the replay engine "
+            "failed at call 1")
+    halted = [line for line in out.splitlines() if "rlft.errors.TrainingHalted: stopped:" in line]
+    assert sorted(line.split(":")[0] for line in halted) == ["[rank0]", "[rank1]"], out[-3000:]
+    assert all(said in line for line in halted), out[-3000:]
+    assert "raise RuntimeError" in out, out[-3000:]  # the bug's traceback, in rank 1's log
+    assert (root / name / "checkpoints" / "step-00000001" / "COMPLETE").exists(), out[-3000:]  # saved together
+
+
+EVAL_REWARD = """
+import os
+
+def digits(prompt, completion, **row):
+    if os.environ.get("RANK") == "1" and prompt.startswith("Say"):  # the held-out rows, on rank 1 alone
+        raise ValueError("rank one cannot score this")
+    return float(len(completion) % 2)
+"""
+
+
+def test_a_reward_error_in_one_ranks_evaluation_stops_every_rank_at_once(root):
+    """A reward failing on rank 1 alone in the held-out evaluation after step 1 (`rlft train --nproc
+    2`): rank 1 stopped while rank 0 went on into step 2's collectives and waited there until
+    training.dist_timeout_s (300 s here). Now every evaluation ends in a vote (World.agree): both
+    ranks save step 1 and stop at once with the same error, naming the reward and rank 1; the
+    launcher's status is the ranks' (2, an `error:`), and no process is left."""
+    name = "eval-error"
+    (root / f"{name}.py").write_text(EVAL_REWARD)
+    (root / "say.jsonl").write_text("".join(json.dumps({"prompt": f"Say {i}."}) + "\n" for i in range(4)))
+    cfg = yaml.safe_load(config(root, "grpo", name, dist_timeout_s=300, eval_every=1).read_text())
+    cfg["rewards"] = [{"fn": f"{root / name}.py:digits"}]
+    cfg["data"]["eval"] = str(root / "say.jsonl")
+    cfg["eval"] = {"max_new_tokens": 4, "max_examples": 4}
+    cfg["checkpoint"]["every"] = 100  # rank 0 goes straight on from the evaluation into step 2
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    started = time.time()
+    with open(root / f"{name}.log", "w") as log:  # a file, not a pipe: an orphaned rank would hold that open
+        proc = subprocess.Popen([sys.executable, "-m", "rlft", "train", "--nproc", "2", str(path)],
+                                env={**ENV, "COLUMNS": "250"}, stdout=log, stderr=subprocess.STDOUT)
+    below: list[int] = []
+    try:
+        while len(below) < 3 and proc.poll() is None:  # torchrun and its two ranks
+            below = descendants(proc.pid)
+            time.sleep(0.1)
+        proc.wait(timeout=280)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        wait_gone(below, within=10)  # no rank left waiting, no orphan
+    out = (root / f"{name}.log").read_text()
+    assert len(below) >= 3 and time.time() - started < 120, out[-3000:]  # far below dist_timeout_s
+    assert proc.returncode == 2, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert errors and all(line.startswith(
+        "error: the evaluation after step 1 failed: rank 1 of 2 failed in the evaluation: reward 'digits' "
+        f"({root / name}.py:digits) raised on {root / 'say.jsonl'}:") for line in errors), out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    summary = json.loads((root / name / "summary.json").read_text())
+    assert summary["status"] == "eval_failed" and summary["step"] == 1, summary
+    assert (root / name / "checkpoints" / "step-00000001" / "COMPLETE").exists()  # saved together
+
+
+def test_a_lost_peer_is_one_error_line_though_its_message_quotes_brackets(root, monkeypatch, capsys):
+    """gloo's message for a lost peer quotes its source as "[/__w/.../pair.cc:553]", which the
+    console read as a closing markup tag: a MarkupError traceback instead of the error line."""
+    def lost_peer(*args, **kwargs):
+        raise RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+                           "by peer [127.0.0.1]:65223")
+
+    monkeypatch.setattr("rlft.api.train", lost_peer)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    result = run_main(monkeypatch, capsys, "train", str(config(root, "sft", "lost-peer")))
+    out = result.stdout + result.stderr
+    assert result.returncode == 3 and "Traceback" not in out, out
+    [line] = [line for line in out.splitlines() if line.startswith("error:")]
+    assert line.startswith("error: rank 1: a collective with the other ranks failed (RuntimeError: "
+                           "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed"), out
+
+
+def test_a_failed_rank_ends_torchrun_with_its_status_and_one_line(monkeypatch, capsys):
+    """`rlft train --nproc` printed torchrun's ChildFailedError traceback (40 lines) after the ranks'
+    own `error:` line, and exited 1. Now one line naming the rank that ended by itself, and its
+    status; not a rank torchrun stopped after it within the same second (SIGTERM)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from rlft.training import torchrun as wrapper
+
+    failures = {0: ProcessFailure(0, 11, -signal.SIGTERM, "<N/A>"), 1: ProcessFailure(1, 12, 2, "<N/A>")}
+    for failure in failures.values():
+        failure.timestamp = 1_700_000_000
+
+    def torchrun(argv: list[str]) -> None:
+        raise ChildFailedError("rlft", failures)
+
+    monkeypatch.setattr("torch.distributed.run.main", torchrun)
+    assert wrapper.main(["rlft.py"]) == 2
+    assert capsys.readouterr().err == "rlft: rank 1 ended with status 2; the job stopped (the ranks' errors are above)\n"
 
 
 def parents() -> dict[int, int]:

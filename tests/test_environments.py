@@ -1,5 +1,6 @@
 """Environments (agent.environment): observations inserted token-exact and loss-masked, their
-rewards through the `environment` reward component, episodes ending on done or on a limit, seeds
+rewards through the `environment` reward component, episodes ending on done or on a limit (a call that
+hangs: at its time limit, or at once on Ctrl-C), seeds
 that replay, errors that name the environment and the row, and gem-llm games end to end.
 
 Unit tests drive episodes with the scripted engine of conftest.py (a random tiny model never
@@ -8,8 +9,13 @@ writes a guess), and a toy higher/lower game whose secret the test can compute f
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +36,7 @@ GAME = '''
 import os
 import random
 import re
+import time
 
 
 class HigherLower:
@@ -89,6 +96,38 @@ class Unseeded(HigherLower):
 class BadStep(HigherLower):
     def step(self, text):
         return "ok", "1.0", False
+
+
+class Hang(HigherLower):
+    """The steps (with hang_reset: the resets) of every instance after the first `calm` ones hang:
+    they touch $RLFT_TEST_MARKER, then wait until $RLFT_TEST_RELEASE exists, at most $RLFT_TEST_HANG_S
+    seconds (default 600: so a test that fails does not hang for good)."""
+
+    made = 0
+
+    def __init__(self, seed, calm=0, hang_reset=False):
+        super().__init__(seed)
+        Hang.made += 1
+        self.hangs, self.hang_reset = Hang.made > calm, hang_reset
+
+    def _hang(self):
+        if not self.hangs:
+            return
+        if os.environ.get("RLFT_TEST_MARKER"):
+            open(os.environ["RLFT_TEST_MARKER"], "a").close()
+        release = os.environ.get("RLFT_TEST_RELEASE", "")
+        until = time.monotonic() + float(os.environ.get("RLFT_TEST_HANG_S", "600"))
+        while time.monotonic() < until and not (release and os.path.exists(release)):
+            time.sleep(0.05)
+
+    def reset(self, **row):
+        if self.hang_reset:
+            self._hang()
+        return super().reset(**row)
+
+    def step(self, text):
+        self._hang()
+        return super().step(text)
 '''
 
 
@@ -419,3 +458,119 @@ def test_a_run_stopped_by_its_environment_resumes_as_if_never_stopped(tiny, tmp_
     straight = metrics("straight")
     assert [r["step"] for r in straight if "env/return_mean" in r] == [1, 2, 3]
     assert metrics("stopped") == straight
+
+
+# -- a call that never returns (round 4 of the misuse issue) ---------------------------------------
+
+def test_an_environment_call_that_never_returns_is_cut_at_its_time_limit(tiny, game, tmp_path, monkeypatch):
+    """Before: environment calls had no time limit, so a step that never returned held the run
+    forever. Now a late step ends its episode there (as a late tool call under on_tool_error=end:
+    finish 'stop', nothing inserted, its action unrewarded) and is counted; a late reset stops the
+    run naming the limit; a stop request (Ctrl-C) ends the wait at once, whatever the limit."""
+    from rlft.rewards.calls import ScoringInterrupted
+
+    _, policy = tiny
+    monkeypatch.setenv("RLFT_TEST_RELEASE", str(tmp_path / "release"))
+    monkeypatch.setenv("RLFT_TEST_HANG_S", "5")  # without a limit: 5 s a call, not forever
+    try:
+        driver, engine = env_driver(policy, game, ["Is it 3?", "never sampled"], cls="Hang", env_step_timeout_s=0.5)
+        start = time.perf_counter()
+        episodes = driver.run([PROMPT], SamplingParams(n=2, max_new_tokens=50))
+        took = time.perf_counter() - start
+        assert 1.0 <= took < 4.0, took  # the two steps one after the other, each abandoned at 0.5 s
+        assert len(engine.contexts) == 1  # no episode took a second turn
+        for ep in episodes:
+            record = ep.episode
+            assert record.env_timed_out and record.env_rewards == [] and not record.env_done
+            assert ep.finish_reason == "stop" and record.turns == 1 and ep.loss_mask == [1] * len(ep.completion_ids)
+            assert record.messages[-1] == {"role": "assistant", "content": "Is it 3?"}
+        metrics = episode_metrics(episodes)
+        assert metrics["env/step_timeouts"] == 2.0 and metrics["env/episodes_cut"] == 2.0
+
+        hangs_in_reset = load_environment(f"{game}:Hang", {"hang_reset": True}, 0)
+        driver = TurnDriver(ScriptedEngine(policy.tokenizer, ["1"]), policy.tokenizer, [], pick_parser("auto", None),
+                            AgentLimits(env_step_timeout_s=0.5), environment=hangs_in_reset)
+        with pytest.raises(EnvironmentFailed, match=r"on prompt 0: reset did not return within 0.5 s "
+                                                    r"\(agent.env_step_timeout_s\)\nFix: .*raise agent.env_step_t"):
+            driver.run([PROMPT], SamplingParams(n=1, max_new_tokens=50))
+
+        asked = time.perf_counter() + 0.3  # a Ctrl-C 0.3 s into a step under the default limit (a minute)
+        hangs = load_environment(f"{game}:Hang", {}, 0)
+        driver = TurnDriver(ScriptedEngine(policy.tokenizer, ["Is it 3?"]), policy.tokenizer, [],
+                            pick_parser("auto", None), AgentLimits(), environment=hangs,
+                            should_stop=lambda: time.perf_counter() > asked)
+        start = time.perf_counter()
+        with pytest.raises(ScoringInterrupted):
+            driver.run([PROMPT], SamplingParams(n=1, max_new_tokens=50))
+        assert time.perf_counter() - start < 2.0
+    finally:
+        (tmp_path / "release").touch()  # the abandoned calls return
+
+
+def test_a_run_whose_environment_hangs_completes_with_those_episodes_cut(tiny, tmp_path, game, monkeypatch):
+    from rlft.api import train
+    from rlft.config import load_config
+
+    path, _ = tiny
+    monkeypatch.setenv("RLFT_TEST_RELEASE", str(tmp_path / "release"))
+    monkeypatch.setenv("RLFT_TEST_HANG_S", "5")  # without a limit: 5 s a call, not forever
+    data = write_jsonl(tmp_path / "games.jsonl", [{"prompt": "Play."}] * 4)
+    cfg = _grpo(path, data, tmp_path / "run", f"{game}:Hang", agent={"env_step_timeout_s": 0.5})
+    assert load_config(cfg).agent.env_step_timeout_s == 0.5
+    assert load_config({**cfg, "agent": {"environment": f"{game}:Hang"}}).agent.env_step_timeout_s == 60.0  # on
+    try:
+        start = time.perf_counter()
+        summary = train(cfg)
+        took = time.perf_counter() - start
+    finally:
+        (tmp_path / "release").touch()
+    assert summary["status"] == "completed" and summary["step"] == 2
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    # every step the game took hung: each ended its episode, none was done
+    assert sum(r["env/step_timeouts"] for r in rows) >= 1 and all(r["env/episodes_done"] == 0 for r in rows)
+    assert all(r["env/steps_mean"] == 0 for r in rows)  # a late step earns no reward
+    assert took < 60, took
+
+
+RLFT = str(Path(sys.executable).parent / "rlft")  # the venv's `rlft` command, as tests/test_resume.py runs it
+
+
+def test_one_ctrl_c_during_a_hung_environment_step_stops_within_seconds_with_a_checkpoint(tiny, tmp_path, game):
+    """Before: the first Ctrl-C said 'stopping after this step ... saving a checkpoint' and the step
+    never ended; only a second Ctrl-C exited, without saving. The limit here is long (600 s): the
+    Ctrl-C ends the wait, not the limit."""
+    from rlft.training import checkpoint as ckpt
+
+    path, _ = tiny
+    data = write_jsonl(tmp_path / "games.jsonl", [{"prompt": "Play."}] * 8)
+    run = tmp_path / "run"
+    cfg = _grpo(path, data, run, f"{game}:Hang", training={"max_steps": 3}, agent={"env_step_timeout_s": 600})
+    cfg["agent"]["environment_args"] = {"calm": 4}  # step 1's four episodes play; step 2's hang at their first step
+    cfg_path = tmp_path / "hang.yaml"
+    cfg_path.write_text(json.dumps(cfg))  # JSON is YAML
+    marker = tmp_path / "hanging"
+    env = {**os.environ, "RLFT_TEST_MARKER": str(marker), "RLFT_TEST_RELEASE": str(tmp_path / "release"),
+           "COLUMNS": "200"}
+    proc = subprocess.Popen([RLFT, "train", str(cfg_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "the environment never started hanging"
+            time.sleep(0.05)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:  # a failed test must not leave a hung trainer behind
+            proc.kill()
+            proc.wait()
+        (tmp_path / "release").touch()
+    assert took < 10, (took, output)  # a checkpoint of the tiny model is written in this time
+    assert proc.returncode == 130 and "Traceback" not in output, output
+    assert "second SIGINT" not in output and f"resume with: rlft train --resume {run}" in output
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["step"] == 1
+    assert ckpt.find_latest(run / "checkpoints").name == "step-00000001"

@@ -420,3 +420,54 @@ def test_cli_compare_with_an_llm_judge_from_the_config(monkeypatch, capsys, qwen
     assert saved["metrics"]["ties"] == 6 and saved["judge"].startswith("LLM judge llm_judge")
     assert {r["judge_reply"] for r in saved["records"]} == {"Verdict: tie"}
     assert len(judge_server.requests) == 6
+
+
+def test_cli_compare_of_an_agent_run_compares_episodes(monkeypatch, capsys, qwen_path, tmp_path):
+    """TARGET is a run with an agent section (the calculator): both models answer with whole
+    episodes through the turn driver, as `rlft eval` of the run does (before: single-turn answers,
+    here the call itself on both sides: a tie everywhere). Each scripted engine is called once per
+    turn; the judge (the run's reward) compares the final answers, and the records keep both
+    episodes."""
+    import yaml
+    from conftest import ScriptedEngine, call_text
+
+    target, baseline = two_folders(qwen_path, tmp_path)
+    (tmp_path / "exact.py").write_text("def exact(prompt, completion, answer, **row):\n"
+                                       "    return float(completion.strip() == answer)\n")
+    prompts = write_jsonl(tmp_path / "sums.jsonl", [{"prompt": f"What is {a} + {5 - a}?", "answer": "5"}
+                                                    for a in (1, 2, 3)])
+    run = tmp_path / "run"
+    shutil.copytree(target, run / "final")
+    (run / "config.yaml").write_text(yaml.safe_dump({
+        "method": "grpo", "output_dir": str(run), "model": {"path": str(qwen_path), "device": "cpu"},
+        "data": {"train": str(prompts)}, "rewards": [{"fn": f"{tmp_path}/exact.py:exact"}],
+        "eval": {"max_new_tokens": 96, "batch_size": 8},  # room for a call (70 tokens of the tiny vocabulary)
+        "agent": {"tools": ["calculator"], "max_turns": 2, "max_total_tokens": 800}}))
+    # turn 1 asks the calculator, turn 2 answers: the target from its result, the baseline wrongly
+    scripts = {"final": [call_text("calculator", {"expression": "2 + 3"}), "5"],
+               "baseline": [call_text("calculator", {"expression": "2 + 2"}), "4"]}
+    engines: dict[str, ScriptedEngine] = {}
+
+    class Scripted(ScriptedEngine):
+        def close(self) -> None:
+            pass
+
+    def build_engine(policy, *args, **kwargs):
+        name = Path(policy.model.name_or_path).name
+        engines[name] = Scripted(policy.tokenizer, scripts[name])
+        return engines[name]
+
+    monkeypatch.setattr(eval_parts, "build_engine", build_engine)
+    result = run_main(monkeypatch, capsys, "eval", str(run), "--data", str(prompts), "--compare", str(baseline))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert {name: len(e.contexts) for name, e in engines.items()} == {"final": 2, "baseline": 2}  # one call a turn
+    saved = json.loads((run / "evals" / "compare-sums.json").read_text())
+    assert saved["settings"]["agent"]["tools"] == ["calculator"]
+    assert (saved["metrics"]["wins"], saved["metrics"]["ties"], saved["metrics"]["losses"]) == (3, 0, 0)
+    for r in saved["records"]:
+        assert (r["target"], r["baseline"], r["target_reward"], r["baseline_reward"]) == ("5", "4", 1.0, 0.0)
+        assert r["target_turns"] == r["baseline_turns"] == 2 and r["target_tool_calls"] == r["baseline_tool_calls"] == 1
+        for side, value in (("target", "5"), ("baseline", "4")):
+            tool = [m for m in r[f"{side}_transcript"] if m["role"] == "tool"]
+            assert tool == [{"role": "tool", "name": "calculator", "content": value}], r[f"{side}_transcript"]
+            assert r[f"{side}_transcript"][-1] == {"role": "assistant", "content": value}

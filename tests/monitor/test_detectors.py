@@ -174,7 +174,7 @@ def test_clip_fraction_sums_high_and_low_and_smooths():
     assert DETECTORS["clip_fraction"](rows, **CLIP) is None
 
 
-ZV = dict(metric="adv/zero_std_group_frac", smooth=3, max_frac=0.5)
+ZV = dict(metric="adv/zero_std_group_frac", smooth=3, max_frac=0.5, all_steps=2, reward_metric="reward/mean")
 
 
 def test_zero_variance_needs_several_steps():
@@ -185,7 +185,7 @@ def test_zero_variance_needs_several_steps():
     assert DETECTORS["zero_variance"](hist(**{key: [0.0, 0.0, 1.0]}), **ZV) is None  # one flat batch: 0.33
 
 
-TR = dict(metric="completion/truncation_rate", baseline=1, smooth=1, max_rate=0.2, max_rise=0.1)
+TR = dict(metric="completion/truncation_rate", baseline=1, smooth=1, max_rate=0.2, max_rise=0.1, all_steps=2)
 
 
 def test_truncation_level_and_rise():
@@ -251,3 +251,52 @@ def test_reward_disagreement_fires_when_the_ensemble_disagrees_more_as_reward_ri
     falling = hist(**{"reward/disagreement": [0.2, 0.2, 0.3, 0.25, 0.37], "reward/mean": [2, 2, 1, 1, 1]})
     assert DETECTORS["reward_disagreement"](falling, **DIS) is None
     assert DETECTORS["reward_disagreement"](rows[:4], **DIS) is None  # fewer than window + smooth records
+
+
+def test_short_runs_compare_a_start_with_steps_after_it_and_say_which_limit_fired():
+    """Round 4 of the misuse issue: on a 3-step run the start and the current window overlapped, so
+    a random model's step-3 lengths read as drift; and an entropy below its floor that had risen was
+    reported as having 'fallen -8%'."""
+    key, defaults = "completion/length_mean", {**LD, "smooth": 3}
+    assert DETECTORS["length_drift"](hist(**{key: [40, 52, 61]}), **defaults) is None  # now = mean(40, 52, 61)
+    alert = DETECTORS["length_drift"](hist(**{key: [40, 52, 61, 55]}), **defaults)  # mean(52, 61, 55) = 56: +40%
+    assert alert is not None and "40% longer" in alert.message
+    ent = {**ENT, "smooth": 3}
+    alert = DETECTORS["entropy_collapse"](hist(entropy=[0.02165, 0.0228, 0.0230, 0.02334]), **ent)
+    assert alert is not None and "below the floor 0.05" in alert.message and "fallen" not in alert.message
+    alert = DETECTORS["entropy_collapse"](hist(entropy=[1.0, 0.3, 0.2, 0.19]), **ent)  # mean(0.3, 0.2, 0.19) = 0.23
+    assert alert is not None and "has fallen 77% from 1" in alert.message
+
+
+TOOLS = dict(metric="agent/tool_error_rate", metrics=["agent/errors/raised", "agent/errors/timeout"], smooth=2,
+             min_rate=1.0)
+
+
+def test_a_run_that_learns_nothing_is_said_at_its_second_step_naming_the_cause():
+    """Round 4 of the misuse issue: a tool failing on every call, rewards equal in every group, every
+    completion cut: said at once (two steps in a row), not after a smoothing window (or never: a rate
+    of 1 is not above a limit of 1)."""
+    flat = {**ZV, "smooth": 5}
+    key = "adv/zero_std_group_frac"
+    assert DETECTORS["zero_variance"](hist(**{key: [1.0]}), **flat) is None  # one flat step can be chance
+    assert DETECTORS["zero_variance"](hist(**{key: [1.0, 0.75]}), **flat) is None
+    alert = DETECTORS["zero_variance"](hist(**{key: [1.0, 1.0], "reward/mean": [0.0, 0.0]}), **flat)
+    assert alert is not None and alert.step == 2
+    assert "every group's completions got equal rewards in each of the last 2 steps" in alert.message
+    assert "(reward/mean 0)" in alert.message and "learns nothing" in alert.message
+    cut = {**TR, "smooth": 3, "baseline": 1}
+    key = "completion/truncation_rate"
+    assert DETECTORS["truncation"](hist(**{key: [1.0]}), **cut) is None
+    alert = DETECTORS["truncation"](hist(**{key: [1.0, 1.0]}), **cut)
+    assert alert is not None and "every completion hit the length limit" in alert.message
+    assert "rollout.max_new_tokens" in alert.message
+    rate, raised, timeout = "agent/tool_error_rate", "agent/errors/raised", "agent/errors/timeout"
+    assert DETECTORS["tool_errors"](hist(**{rate: [1.0, 0.9], raised: [4, 3]}), **TOOLS) is None  # mean 0.95
+    assert DETECTORS["tool_errors"](hist(**{rate: [1.0]}), **TOOLS) is None
+    alert = DETECTORS["tool_errors"](hist(**{rate: [1.0, 1.0], raised: [1, 0], timeout: [3, 4]}), **TOOLS)
+    assert alert is not None and alert.step == 2
+    assert "every tool call failed in each of the last 2 steps (timeout: 7, raised: 1)" in alert.message
+    assert "agent.tool_timeout_s" in alert.message  # the fix for the kind seen most
+    assert alert.values == {rate: 1.0, "errors/timeout": 7.0, "errors/raised": 1.0}
+    lower = DETECTORS["tool_errors"](hist(**{rate: [0.5, 0.7], raised: [1, 1]}), **{**TOOLS, "min_rate": 0.6})
+    assert lower is not None and "agent/tool_error_rate 0.6 (mean of the last 2 steps)" in lower.message

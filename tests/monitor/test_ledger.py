@@ -55,3 +55,43 @@ def test_csv_markdown_and_table(make_online_run, tmp_path):
     print_table(rows, console)
     text = console.export_text()
     assert "(baseline)" in text and "2 changes: not one change per experiment" in text
+
+
+def test_three_or_more_runs_stay_readable_in_80_columns(make_online_run):
+    """Before: one row per run and a column per metric, so `rlft compare A B C` in an 80-column
+    terminal folded every name, status and number into columns of 3 characters. Now runs are
+    columns of at least 14 characters beside whole metric names; runs that do not fit go to
+    another table, beside the baseline again."""
+    names = ["grpo-baseline-qwen2.5-0.5b-instruct", "grpo-lr3e-5", "grpo-temperature-0.7-and-lr"]
+    runs = [make_online_run(names[0]), make_online_run(names[1], training__learning_rate=3e-5),
+            make_online_run(names[2], training__learning_rate=3e-5, rollout__temperature=0.7,
+                            summary={"status": "interrupted", "step": 30, "eval/accuracy": 0.7})]
+    rows = compare_runs(runs)
+    console = Console(record=True, width=80)
+    print_table(rows, console)
+    lines = console.export_text().splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    assert sum("runs vs the first (baseline)" in line for line in lines) == 1  # three runs: one table
+    top = next(line for line in lines if line.startswith("┏"))
+    columns = [len(part) for part in top.strip("┏┓").split("┳")][1:]  # after the label column
+    assert len(columns) == 3 and min(columns) >= 14 + 2  # + padding
+    header = next(line for line in lines if line.startswith("┃"))
+    assert "grpo-lr3e-5 " in header and "grpo-baseline-…" in header  # a long name: its first 14 characters, cut
+    assert all(name[:14] in header for name in names)
+    text = "\n".join(lines)
+    for key in ("status", "changes", "reward/mean", "completion/length_mean", "eval/format_compliance"):
+        assert any(line.startswith(f"│ {key} ") for line in lines), key  # every metric name whole
+    assert "interrupted" in text and "completed" in text and "(baseline)" in text
+    row = next(line for line in lines if line.startswith("│ eval/accuracy "))
+    assert [cell.strip() for cell in row.strip("│").split("│")][1:] == [f"{rows[0]['eval/accuracy']:.4g}",
+                                                                        f"{rows[1]['eval/accuracy']:.4g}", "0.7"]
+
+    more = compare_runs(runs + [make_online_run(f"seed-{s}", seed=s) for s in (1, 2)])
+    console = Console(record=True, width=80)
+    print_table(more, console)
+    text = console.export_text()
+    assert "(runs 2-3 of 5)" in text and "(runs 4-5 of 5)" in text
+    assert all(len(line) <= 80 for line in text.splitlines())
+    headers = [line for line in text.splitlines() if line.startswith("┃")]
+    assert len(headers) == 2 and all("grpo-baseline-" in h.split("┃")[2] for h in headers)  # beside the baseline
+    assert "seed-1" in headers[1] and "seed-2" in headers[1]

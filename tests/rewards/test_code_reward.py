@@ -80,7 +80,7 @@ def test_cli_bad_files_give_one_line_and_exit_2(tmp_path, cli):
     tests.write_text("{not json")
     for args, words in [(["--code", str(tmp_path / "nope.py"), "--tests", str(tests)], "code file not found"),
                         (["--code", str(code), "--tests", str(tests)], "not valid JSON"),
-                        (["--code", str(code), "--tests", str(tmp_path)], "cannot read tests file")]:
+                        (["--code", str(code), "--tests", str(tmp_path)], "is a folder, not a JSON tests file")]:
         result = cli(*args)
         assert result.exit_code == 2
         assert words in result.output and "Traceback" not in result.output

@@ -27,7 +27,9 @@ def train(
                                         "machine (starts torchrun: one process per GPU, or N CPU processes)."),
 ) -> None:
     from rlft import api
+    from rlft.paths import config_file_problem, run_dir_problem, stop_on
 
+    stop_on(config and config_file_problem(config, "CONFIG"), resume and run_dir_problem(resume, "--resume"))
     if nproc is not None and nproc > 1:  # re-runs this command under torchrun; does not return
         _launch_torchrun(nproc, config, list(overrides or []), resume)
     if resume is not None:
@@ -77,8 +79,10 @@ def pipeline(
                                                    "stage's config after its own; output_dir=DIR sets the "
                                                    "pipeline's output_dir."),
 ) -> None:
+    from rlft.paths import config_file_problem, stop_on
     from rlft.pipeline import run_pipeline
 
+    stop_on(config_file_problem(file, "FILE", "a pipeline YAML file"))
     results = run_pipeline(file, list(overrides or []))
     from rich.table import Table
 
@@ -140,7 +144,15 @@ def eval(
 ) -> None:
     from rlft.config import EvalConfig, RewardSpec, VllmSettings, check_vllm_sampling, load_config, validate_flags
     from rlft.eval.run import evaluate_model, resolve_model, run_settings, save_run_eval, summary_rows, write_records
+    from rlft.paths import config_file_problem, data_file_problem, model_dir_problem, output_file_problem, stop_on
 
+    # every path first: a wrong one stops before a model loads or anything is generated
+    stop_on(model_dir_problem(target, "TARGET"), config and config_file_problem(config, "--config"),
+            data and data_file_problem(data, "--data"),
+            compare and model_dir_problem(compare, "--compare"),
+            judge_model and model_dir_problem(judge_model, "--judge-model", "a reward model folder"),
+            out and output_file_problem(out, "--out", "the comparison report" if compare else "the records",
+                                        "comparison.json" if compare else "records.jsonl", (".json", ".jsonl")))
     _, run_dir = resolve_model(target)
     overrides = list(overrides or [])
     if overrides and config is None and run_dir is None:
@@ -184,13 +196,11 @@ def eval(
     if compare is not None or judge or judge_model:
         from rlft.eval.compare_report import compare_command
 
-        if settings is not None and settings.agent is not None:
-            console.print("note: --compare judges single-turn answers; the config's agent section (tools, episodes) "
-                          "is not used", highlight=False)
-
+        # an agent section: both models answer with episodes, as `rlft eval` of the run does
         compare_command(target, compare, data, cfg, rewards, explicit_rewards=bool(reward), judge=judge,
                         judge_model=judge_model, seed=seed, split=split, max_prompt_length=max_prompt,
                         scoring=scoring, engine=engine, vllm=vllm, out=out, run_dir=run_dir,
+                        agent=settings.agent if settings else None,
                         **({"max_row_bytes": max_row_bytes} if max_row_bytes else {}))
         return
     result = evaluate_model(target, data, rewards, cfg, split=split, seed=seed, max_prompt_length=max_prompt,
@@ -240,7 +250,9 @@ def tiny_model(
     force: bool = typer.Option(False, "--force", help="Replace what OUT_DIR holds (a model or a run) with new weights."),
 ) -> None:
     from rlft.models.tiny import build_tiny_model
+    from rlft.paths import output_dir_problem, stop_on
 
+    stop_on(None if force else output_dir_problem(out_dir, "OUT_DIR", "the model"))  # --force replaces it
     if arch not in ("qwen2", "llama"):
         raise RlftError(f"--arch must be qwen2 or llama, got {arch!r}")
     if size not in ("tiny", "small"):
@@ -259,7 +271,16 @@ def import_model(
     import time
 
     from rlft.models.gguf import import_gguf
+    from rlft.paths import describe, output_dir_problem, stop_on
 
+    # SRC is the .gguf file, or with --gguf-file its folder
+    if (src.is_dir() and gguf_file is None) or (src.is_file() and (gguf_file or src.suffix.lower() != ".gguf")):
+        held = ", ".join(sorted(p.name for p in src.glob("*.gguf"))) if src.is_dir() else ""
+        stop_on(f"SRC {src} is {describe(src)}, not "
+                + ("a GGUF checkpoint (.gguf)" if gguf_file is None else "the folder holding --gguf-file")
+                + ".\nFix: give the .gguf file, or its folder with --gguf-file NAME"
+                + (f" (this folder holds: {held})" if held else ""))
+    stop_on(output_dir_problem(dst, "DST", "the imported model"))
     started = time.perf_counter()
     out = import_gguf(src, dst, gguf_file=gguf_file, overwrite=force)
     console.print(f"imported {src} into {out} in {time.perf_counter() - started:.0f} s; use model.path={out}")
@@ -280,7 +301,9 @@ def demo(
                                "and RL held-out accuracy with tool-call and tool error rates."),
 ) -> None:
     from rlft.demo import DemoSettings, run_demo
+    from rlft.paths import output_dir_problem, stop_on
 
+    stop_on(output_dir_problem(out_dir, "--out", "the demo's data, runs and results"))
     if engine not in ("hf", "vllm"):
         raise RlftError(f"--engine must be hf or vllm, got {engine!r}")
     if precision not in ("auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16"):
@@ -366,7 +389,10 @@ def main() -> None:
         message = describe_failure(exc, world, float(os.environ.get("RLFT_DIST_TIMEOUT_S", "0") or 0))
         if message is None:
             raise
-        console.print(f"[bold red]error:[/] {message}", highlight=False)
+        from rich.markup import escape
+
+        # escaped: a backend's message quotes source paths in brackets ("[/path/gloo/...cc:78]"), not markup
+        console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
         sys.exit(3)
     finally:
         for sig, handler in saved.items():

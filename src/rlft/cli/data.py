@@ -171,7 +171,9 @@ def screen(
 ) -> None:
     """Keep the prompts the model solves sometimes: pass rate over SAMPLES in [LOW, HIGH]."""
     from rlft.config import load_config
+    from rlft.paths import config_file_problem, output_file_problem, stop_on
 
+    stop_on(config_file_problem(config, "CONFIG"), output_file_problem(out, "--out", "the kept rows", "kept.jsonl"))
     cfg = load_config(config, list(overrides or []))
     typer.echo(run_screen(cfg, default_plumbing(cfg), samples, low, high, out))
 
@@ -186,7 +188,9 @@ def pairs(
 ) -> None:
     """Preference pairs from the model's own samples: best vs worst by reward."""
     from rlft.config import load_config
+    from rlft.paths import config_file_problem, output_file_problem, stop_on
 
+    stop_on(config_file_problem(config, "CONFIG"), output_file_problem(out, "--out", "the pairs", "pairs.jsonl"))
     cfg = load_config(config, list(overrides or []))
     check_pairs_config(cfg)  # before the model loads
     typer.echo(run_pairs(cfg, default_plumbing(cfg), samples, margin, out))
@@ -197,7 +201,9 @@ def agreement_cmd(data: str = typer.Argument(..., help="Preference rows with a '
     """Percent agreement and Krippendorff's alpha of annotators' labels."""
     from rlft.data.agreement import agreement, read_labels
     from rlft.data.readers import read_rows
+    from rlft.paths import data_file_problem, stop_on
 
+    stop_on(data_file_problem(data, "DATA"))
     rows = read_rows(data)
     bad = [r for r in rows if r.data is None]
     if bad:

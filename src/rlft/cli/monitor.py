@@ -20,7 +20,10 @@ def report(
                                               "default: first, middle and last)."),
 ) -> None:
     from rlft.monitor.report import write_report
+    from rlft.paths import output_file_problem, run_dir_problem, stop_on
 
+    stop_on(*[run_dir_problem(run, "RUNS") for run in runs],
+            out and output_file_problem(out, "--out", "the HTML report", "report.html", (".htm",)))
     path = write_report(runs, out or runs[0] / "report.html", sample_steps=steps or None)
     typer.echo(str(path))
 
@@ -32,7 +35,11 @@ def compare(
 ) -> None:
     from rlft.monitor.console import console
     from rlft.monitor.ledger import compare_runs, print_table, write_csv, write_markdown
+    from rlft.paths import output_file_problem, run_dir_problem, stop_on
 
+    stop_on(*[run_dir_problem(run, "RUNS") for run in runs],
+            csv and output_file_problem(csv, "--csv", "the ledger", "ledger.csv", (".txt",)),
+            markdown and output_file_problem(markdown, "--markdown", "the ledger", "ledger.md", (".markdown", ".txt")))
     rows = compare_runs(runs)
     print_table(rows, console)
     if csv is not None:

@@ -21,8 +21,10 @@ def plan(
 ) -> None:
     """Estimate the memory of a training run before loading any weights."""
     from rlft.config import load_config
+    from rlft.paths import config_file_problem, stop_on
     from rlft.plan.inputs import plan_report
 
+    stop_on(config_file_problem(config_path, "CONFIG"))
     typer.echo(plan_report(load_config(config_path, list(overrides or [])), device, memory_gb, world_size, worst_case))
 
 

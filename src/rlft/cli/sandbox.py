@@ -41,9 +41,16 @@ def run(
     extract: bool = typer.Option(False, "--extract", help="Run the last fenced code block of the file."),
 ) -> None:
     """Run CODE against TESTS; exit 0 with a verdict, 1 if the sandbox failed, 2 for bad input."""
+    from rlft.paths import text_file_problem
     from rlft.rewards.code import judge_completion, parse_tests, run_program
     from rlft.rewards.code.cases import BadTests
 
+    for problem in (text_file_problem(code, "--code", "a program to run", (".py", ".md"),
+                                      "give the program's .py file (with --extract: a completion's text)"),
+                    text_file_problem(tests, "--tests", "a JSON tests file", (".json",),
+                                      'give one JSON object: {"fn_name": ..., "cases": [...]} or {"cases": [...]}')):
+        if problem:
+            _fail(problem.replace("\nFix: ", "; fix: "))  # this command's errors are one line
     source, raw_tests = _read(code, "code"), _read(tests, "tests")
     try:
         parse_tests(raw_tests)

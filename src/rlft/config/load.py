@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from rlft import paths
 from rlft.config.run import Config
 from rlft.errors import ConfigError
 
@@ -62,6 +63,9 @@ def load_config(source: str | Path | dict[str, Any], overrides: list[str] | None
         raw, origin = copy.deepcopy(source), "config"  # overrides must not edit the caller's dict
     else:
         path = Path(source)
+        problem = paths.config_file_problem(path, "config")  # a folder, a data file, a binary file ...
+        if problem:
+            raise ConfigError(problem)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         raw = load_yaml(path.read_text(), path) or {}

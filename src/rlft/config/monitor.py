@@ -15,7 +15,8 @@ from pydantic import Field
 from rlft.config.section import Section
 
 DetectorName = Literal["reward_hacking", "length_drift", "repetition", "kl", "entropy_collapse", "ratio_drift",
-                       "clip_fraction", "zero_variance", "truncation", "infra_errors", "reward_disagreement"]
+                       "clip_fraction", "zero_variance", "truncation", "tool_errors", "infra_errors",
+                       "reward_disagreement"]
 DETECTOR_NAMES: tuple[str, ...] = DetectorName.__args__  # type: ignore[attr-defined]  (== DETECTORS' keys)
 
 
@@ -98,10 +99,17 @@ class ClipFractionSettings(Section):
         0.3, gt=0, le=1, description="Clipped share that fires: 0.1-0.2 is healthy PPO; above 0.3 steps are too big.")
 
 
+ALL_STEPS = ("Steps in a row in which it held for all of them that fire at once, before the smooth window fills: "
+             "such a run learns nothing, and says so within its first steps; one step alone can be chance.")
+
+
 class ZeroVarianceSettings(Section):
     metric: str = Field("adv/zero_std_group_frac", description=METRIC)
     smooth: int = Field(5, ge=1, description=SMOOTH + " Several steps: a few flat batches are normal.")
     max_frac: float = Field(0.5, ge=0, le=1, description="Share of groups with no gradient that fires: half.")
+    all_steps: int = Field(2, ge=1, description="Every group flat (equal rewards). " + ALL_STEPS)
+    reward_metric: str = Field("reward/mean", description="Train reward key, named in that message (a reward "
+                                                          "that never varies shows its one value).")
 
 
 class TruncationSettings(Section):
@@ -110,6 +118,21 @@ class TruncationSettings(Section):
     smooth: int = Field(3, ge=1, description=SMOOTH)
     max_rate: float = Field(0.2, ge=0, le=1, description="Truncated share that fires: one completion in five.")
     max_rise: float = Field(0.1, ge=0, description="Rise over the start that fires: ten points more truncation.")
+    all_steps: int = Field(2, ge=1, description="Every completion cut at the length limit. " + ALL_STEPS)
+
+
+class ToolErrorsSettings(Section):
+    metric: str = Field("agent/tool_error_rate", description=METRIC + " Logged by runs with agent.tools.")
+    metrics: list[str] = Field(
+        default_factory=lambda: [f"agent/errors/{kind}" for kind in ("malformed", "unknown_tool", "bad_arguments",
+                                                                     "raised", "timeout", "bad_result",
+                                                                     "too_many_calls")],
+        description="Failed calls per kind (rollout/agent/tools.py ERROR_KINDS), named in the message with the fix "
+                    "for the most frequent one.")
+    smooth: int = Field(2, ge=1, description=SMOOTH + " Two: said within the first steps, not on one unlucky batch.")
+    min_rate: float = Field(
+        1.0, gt=0, le=1, description="Failed share that fires (at or above it): every call, so the model never "
+                                     "reads a tool's result. A policy still learning the call syntax fails many.")
 
 
 class InfraErrorsSettings(Section):
@@ -159,6 +182,7 @@ class MonitorConfig(Section):
     clip_fraction: ClipFractionSettings = Field(default_factory=ClipFractionSettings)
     zero_variance: ZeroVarianceSettings = Field(default_factory=ZeroVarianceSettings)
     truncation: TruncationSettings = Field(default_factory=TruncationSettings)
+    tool_errors: ToolErrorsSettings = Field(default_factory=ToolErrorsSettings)
     infra_errors: InfraErrorsSettings = Field(default_factory=InfraErrorsSettings)
     reward_disagreement: RewardDisagreementSettings = Field(default_factory=RewardDisagreementSettings)
     repetition_ngram: int = Field(3, ge=1, description="n of the n-grams in completion/repetition_rate.")

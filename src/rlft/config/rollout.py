@@ -128,6 +128,15 @@ class AgentConfig(Section):
                                 "observation that would fill it ends the episode as truncated.")
     max_tool_output_tokens: int = Field(256, ge=1, description="A tool result longer than this is cut, with a marker.")
     tool_timeout_s: float = Field(10.0, gt=0, description="Time limit per tool call; a late call is an error result.")
+    env_step_timeout_s: float = Field(
+        60.0, gt=0, description="Time limit per environment call (reset, step). A late step ends its episode "
+                                "there, as a late tool call does under on_tool_error=end (it cannot go on as under "
+                                "observe: the environment is still inside that step), counted as env/step_timeouts; "
+                                "a late reset stops the run with the last completed step saved (its episodes have "
+                                "no prompt). 60 s: environments run one call at a time, so a healthy step takes "
+                                "well under a second (a step of seconds already makes a rollout of many episodes "
+                                "slow); a minute leaves room for a grader or simulated user that calls a service, "
+                                "and cuts a hung call in a minute instead of holding the run forever.")
     max_calls_per_turn: int = Field(4, ge=1, description="Calls run per turn; further ones get an error result.")
     check_drift: bool = Field(
         True, description="Re-render each finished episode through the template and log how many trained tokens "

@@ -2,7 +2,10 @@
 
 Both models answer every prompt of the data file under the same eval settings (sampling,
 max_new_tokens, num_samples) from the same seed; answer j of TARGET to a prompt is paired with
-answer j of BASELINE to it. Each pair is judged one of three ways:
+answer j of BASELINE to it. With an agent section (the run's or --config's tools, environment and
+limits) each answer is a whole episode sampled through the turn driver, as `rlft eval` samples them;
+the judge compares the episodes' final answers (their last assistant turns), and each pair's record
+keeps both episodes (turns, tool calls, transcript). Each pair is judged one of three ways:
 
 - rewards (`--reward`, or the run's / config's rewards): each answer is scored alone; the higher
   total reward wins, totals within 1e-9 tie. A pair where either reward is unverifiable (None) is
@@ -37,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
-from rlft.config import EvalConfig, RewardSpec, ScoringConfig, VllmSettings
+from rlft.config import AgentConfig, EvalConfig, RewardSpec, ScoringConfig, VllmSettings
 from rlft.data.prompts import PromptExample
 from rlft.data.readers import DEFAULT_MAX_ROW_BYTES
 from rlft.errors import ConfigError, RlftError
@@ -45,7 +48,7 @@ from rlft.eval.generation import sample_answers
 from rlft.eval.metrics import WinRate, win_rate
 from rlft.eval.parts import EvalParts
 from rlft.eval.run import load_with_prompts, resolve_model, warn_if_cut
-from rlft.models.folder_checks import check_model_folder
+from rlft.models.folder_checks import check_model_folder, check_reward_model_architecture, saved_architectures
 from rlft.models.loading import is_adapter_export, resolve_device
 from rlft.rewards.scoring import RewardScorer, build_scorer, score_completions
 from rlft.rewards.user_code import describe_exception, indent, load_user_function, source_file
@@ -259,6 +262,7 @@ def build_judge(rewards: Sequence[RewardSpec], judge: str | None = None, judge_m
         return FunctionJudge(load_user_function(judge, what="judge"), judge)
     if judge_model:
         check_model_folder(judge_model, "--judge-model")
+        check_reward_model_architecture(saved_architectures(judge_model), judge_model, "--judge-model")
         spec = RewardSpec(fn="reward_model", name="judge_model",
                           args={"path": str(judge_model), "device": str(resolve_device(device))})
         return RewardJudge(build_scorer([spec], scoring), f"reward model {judge_model}")
@@ -301,15 +305,17 @@ def model_folders(target: str | Path, baseline: str | Path) -> dict[str, Path]:
 
 def answer_prompts(model_dir: Path, data: str, cfg: EvalConfig, *, seed: int, split: str, max_prompt_length: int,
                    device: str, required_fields: tuple[str, ...], max_row_bytes: int, engine: str,
-                   vllm: VllmSettings | None) -> Answers:
-    """One model's answers to the data's prompts; the model is released before returning, so two
-    models are never loaded at once."""
+                   vllm: VllmSettings | None, agent: AgentConfig | None = None) -> Answers:
+    """One model's answers to the data's prompts (with `agent`: whole episodes through the turn
+    driver, with its tools and limits; the answer is the last assistant turn); the model is
+    released before returning, so two models are never loaded at once."""
     policy, examples = load_with_prompts(model_dir, data, split=split, max_prompt_length=max_prompt_length,
                                          device=device, required_fields=required_fields, max_row_bytes=max_row_bytes)
     warn_if_cut(cfg, len(examples), data)
-    parts = EvalParts.build(policy, seed=seed, engine=engine, batch_size=cfg.batch_size, vllm=vllm)
+    parts = EvalParts.build(policy, seed=seed, engine=engine, batch_size=cfg.batch_size, vllm=vllm, agent=agent,
+                            prompt_sets=[examples], max_prompt_length=max_prompt_length)
     try:
-        examples, completions = sample_answers(parts.engine, examples, cfg, seed)
+        examples, completions = sample_answers(parts.engine, examples, cfg, seed, driver=parts.driver)
     finally:
         parts.close()
         del policy, parts
@@ -328,11 +334,13 @@ def _empty_cuda_cache() -> None:
 def compare_models(target: str | Path, baseline: str | Path, data: str, cfg: EvalConfig, judge: Judge, *,
                    seed: int = 0, split: str = "train", max_prompt_length: int = 4096, device: str = "auto",
                    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES, engine: str = "hf",
-                   vllm: VllmSettings | None = None) -> Comparison:
-    """TARGET's win rate against BASELINE on `data`'s prompts (see the module docstring)."""
+                   vllm: VllmSettings | None = None, agent: AgentConfig | None = None) -> Comparison:
+    """TARGET's win rate against BASELINE on `data`'s prompts (see the module docstring); `agent`:
+    both answer with episodes (a run's agent section, as `rlft eval` of the run samples them)."""
     dirs = model_folders(target, baseline)
     options = dict(seed=seed, split=split, max_prompt_length=max_prompt_length, device=device,
-                   required_fields=judge.required_fields, max_row_bytes=max_row_bytes, engine=engine, vllm=vllm)
+                   required_fields=judge.required_fields, max_row_bytes=max_row_bytes, engine=engine, vllm=vllm,
+                   agent=agent)
     ours = answer_prompts(dirs["TARGET"], data, cfg, **options)
     theirs = answer_prompts(dirs["BASELINE"], data, cfg, **options)
     _check_paired(ours, theirs, data)
@@ -342,9 +350,21 @@ def compare_models(target: str | Path, baseline: str | Path, data: str, cfg: Eva
                 "target": ours.completions[i].text, "baseline": theirs.completions[i].text,
                 "target_finish": ours.completions[i].finish_reason,
                 "baseline_finish": theirs.completions[i].finish_reason,
-                "verdict": VERDICT_NAMES[v], **detail}
+                "verdict": VERDICT_NAMES[v], **episode_record(ours, theirs, i), **detail}
                for i, (v, detail) in enumerate(zip(judged.verdicts, judged.details))]
     return Comparison(str(target), str(baseline), judge.description, result, unscored, records)
+
+
+def episode_record(ours: Answers, theirs: Answers, i: int) -> dict[str, Any]:
+    """Pair i's episodes, when the answers are episodes: each side's turns, tool calls and
+    transcript after the prompt (its assistant and tool turns; the answer judged is the last)."""
+    out: dict[str, Any] = {}
+    for side, answers in (("target", ours), ("baseline", theirs)):
+        episode = answers.completions[i].episode
+        if episode is not None:
+            out.update({f"{side}_turns": episode.turns, f"{side}_tool_calls": episode.tool_calls,
+                        f"{side}_transcript": episode.messages[len(answers.example(i).messages):]})
+    return out
 
 
 def _check_paired(ours: Answers, theirs: Answers, data: str) -> None:

@@ -71,6 +71,8 @@ def compare_command(target: Path, baseline: Path | None, data: str, cfg: Any, re
         settings = {"eval": cfg.model_dump(mode="json"), "seed": options.get("seed", 0),
                     "split": options.get("split", "train"),
                     "rewards": [] if judge or judge_model else [r.model_dump(mode="json") for r in rewards]}
+        if options.get("agent") is not None:  # the answers were episodes with these tools and limits
+            settings["agent"] = options["agent"].model_dump(mode="json")
         console.print(f"comparison saved to {save_comparison(comparison, data, path, settings, keep_existing=out is None)}")
     console.print(comparison_table(comparison, data))
     return comparison

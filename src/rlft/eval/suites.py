@@ -48,8 +48,8 @@ def prepare_suites(suites: Sequence[EvalSuite], tokenizer: Any, max_prompt_lengt
     if dupes:
         raise ConfigError(f"eval.suites: names must be unique; {dupes} appear more than once")
     out = []
-    for s in suites:
-        scorer = build_scorer(s.rewards, scoring) if s.rewards else None
+    for i, s in enumerate(suites):
+        scorer = build_scorer(s.rewards, scoring, where=f"eval.suites[{i}].rewards") if s.rewards else None
         encode = make_prompt_encoder(tokenizer, max_prompt_length, scorer.required_fields if scorer else ())
         examples = check_rows(read_rows(s.data, s.split), encode, s.data, f"eval suite '{s.name}'", on_invalid)
         out.append(PreparedSuite(s, examples, scorer, answer_extractor(s.answer)))

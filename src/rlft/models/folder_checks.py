@@ -154,19 +154,92 @@ def check_tokenizer(tokenizer: Any, source: str, embeddings: int | None = None) 
                         "another model's tokenizer.\nFix: use the model's own tokenizer (model.tokenizer_path)")
 
 
-def check_causal_lm(model: Any, loading_info: dict[str, Any], path: str) -> None:
-    """Every weight came from the checkpoint, and predictions at a position do not depend on later
-    tokens (an encoder such as BERT loads into an LM-head class but sees the whole sequence, so it
-    would train on the answers it is asked to predict)."""
+# The endings of the class names transformers saves (config.json `architectures`) for models whose
+# head scores text: a reward model (one logit per sequence) and a PPO critic (one per token).
+REWARD_MODEL_ENDING = "ForSequenceClassification"
+CLASSIFIER_ENDINGS = (REWARD_MODEL_ENDING, "ForTokenClassification")
+REWARD_MODEL_FIX = ("train one with `method: reward_model` (from a causal LM such as an SFT export; that run's "
+                    "final/ is the reward model), or point {field} at a reward model")
+
+
+def saved_architectures(source: str) -> list[str]:
+    """config.json's `architectures` of a local folder, read without loading anything ([] for a hub
+    id, or a config that names none: then the loaded model's config is checked)."""
+    file = Path(os.path.expanduser(source)) / "config.json"
+    try:
+        architectures = json.loads(file.read_text()).get("architectures") if file.is_file() else None
+    except (ValueError, AttributeError):
+        return []  # an unreadable config.json: transformers names the problem when it loads it
+    return [a for a in architectures or [] if isinstance(a, str)]
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def check_not_classifier(architectures: list[str], path: str, field: str = "model.path") -> None:
+    """A model saved as a classifier is refused where a causal LM is needed (the policy, a teacher).
+    With tied embeddings (most small models) one loads into an LM class with no weight missing, so
+    only its saved class tells: it would generate from a backbone trained to score."""
+    arch = next((a for a in architectures if a.endswith(CLASSIFIER_ENDINGS)), None)
+    if arch is None:
+        return
+    reward_model = arch.endswith(REWARD_MODEL_ENDING)
+    what = "a reward model" if reward_model else "a token classifier (e.g. a PPO critic)"
+    use = (f"; to score with it, name it in a reward instead: rewards: [{{fn: reward_model, args: {{path: {path}}}}}]"
+           if reward_model else "")
+    raise RlftError(f"{field} {path!r} holds {arch}, {what}: it has a score head, not a language-model head, so it "
+                    f"gives no next-token probabilities to sample or train with.\nFix: point {field} at a causal "
+                    f"language model (an ...ForCausalLM folder, e.g. an SFT run's final/){use}")
+
+
+def check_reward_model_architecture(architectures: list[str], path: str, field: str) -> None:
+    """Before its weights load: a reward model is saved as ...ForSequenceClassification. Anything else
+    (a causal LM, an SFT export) loads into that class with a randomly initialised score head, and a
+    run trained on its scores follows noise."""
+    if not architectures or any(a.endswith(REWARD_MODEL_ENDING) for a in architectures):
+        return
+    raise RlftError(f"{field} {path!r} holds {', '.join(architectures)}, not a reward model (an "
+                    f"...{REWARD_MODEL_ENDING} with a trained score head): loaded as one it would get a randomly "
+                    "initialised score head, and training would follow noise.\nFix: "
+                    + REWARD_MODEL_FIX.format(field=field))
+
+
+def check_reward_model_weights(model: Any, loading_info: dict[str, Any], path: str, field: str) -> None:
+    """After loading: the saved class (for a hub id, known only now) and every weight from the
+    checkpoint; a classifier folder without its score weights would get a random head too."""
+    check_reward_model_architecture(list(getattr(model.config, "architectures", None) or []), path, field)
+    missing = sorted(loading_info.get("missing_keys") or [])
+    if missing:
+        raise RlftError(f"{field} {path!r} has no weights for {_shown(missing)}: transformers would initialise them "
+                        "randomly, so its scores would be noise.\nFix: " + REWARD_MODEL_FIX.format(field=field))
+
+
+def check_value_model_weights(model: Any, loading_info: dict[str, Any], path: str, field: str) -> None:
+    """A separate PPO critic starts from its checkpoint's backbone; only the one-logit value head may
+    be new (it is trained, see critic.warmup_steps). A backbone that is not in the checkpoint would
+    start random, and no value it gives would mean anything."""
+    prefix = f"{model.base_model_prefix}."
+    missing = sorted(k for k in loading_info.get("missing_keys") or [] if k.startswith(prefix))
+    if missing:
+        raise RlftError(f"{field} {path!r} has no weights for {_shown(missing)}: the critic's backbone would start "
+                        f"random.\nFix: point {field} at a complete model folder (the policy's causal LM, or a "
+                        "reward model trained from it), or leave it unset to start from model.path")
+
+
+def check_causal_lm(model: Any, loading_info: dict[str, Any], path: str, field: str = "model.path") -> None:
+    """The saved class is not a classifier, every weight came from the checkpoint, and predictions
+    at a position do not depend on later tokens (an encoder such as BERT loads into an LM-head class
+    but sees the whole sequence, so it would train on the answers it is asked to predict)."""
     import torch
 
+    check_not_classifier(list(getattr(model.config, "architectures", None) or []), path, field)
     arch = ", ".join(getattr(model.config, "architectures", None) or []) or type(model).__name__
     missing = list(loading_info.get("missing_keys") or [])
     if missing:
-        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
-        raise RlftError(f"model.path {path!r} has no weights for {shown}: they would start random. It was saved as "
-                        f"{arch}, not as a causal LM with this head.\nFix: point model.path at a causal language "
-                        "model (an ...ForCausalLM export, e.g. a previous run's final/)")
+        raise RlftError(f"{field} {path!r} has no weights for {_shown(missing)}: they would start random. It was "
+                        f"saved as {arch}, not as a causal LM with this head.\nFix: point {field} at a causal "
+                        "language model (an ...ForCausalLM export, e.g. a previous run's final/)")
     vocab = model.get_input_embeddings().num_embeddings
     device = next(model.parameters()).device
     probe = torch.arange(1, 9, device=device).remainder(vocab)[None]  # [1, 8]
@@ -187,9 +260,9 @@ def check_causal_lm(model: Any, loading_info: dict[str, Any], path: str) -> None
     exact = next(model.parameters()).dtype == torch.float32
     tolerance = (1e-5 if exact else 1e-2) * max(1.0, float(a.abs().max()))
     if float((a - b).abs().max()) > tolerance:
-        raise RlftError(f"model.path {path!r} holds {arch}, which is not a causal (left-to-right) model: its "
+        raise RlftError(f"{field} {path!r} holds {arch}, which is not a causal (left-to-right) model: its "
                         "prediction for a position changes when later tokens change, so it cannot generate text or "
-                        "be trained with a next-token loss.\nFix: point model.path at a decoder-only causal LM "
+                        f"be trained with a next-token loss.\nFix: point {field} at a decoder-only causal LM "
                         "(e.g. a Qwen2, Llama or Mistral ...ForCausalLM)")
 
 

@@ -13,8 +13,8 @@ import torch
 
 from rlft.config import LoraConfig, ModelConfig
 from rlft.errors import ConfigError, RlftError
-from rlft.models.folder_checks import (check_causal_lm, check_lora_targets, check_model_folder, check_tokenizer,
-                                       check_tokenizer_folder)
+from rlft.models.folder_checks import (check_causal_lm, check_lora_targets, check_model_folder, check_not_classifier,
+                                       check_tokenizer, check_tokenizer_folder, saved_architectures)
 from rlft.models.gguf import gguf_source, load_gguf_model, load_gguf_tokenizer
 from rlft.models.hub import hub_source
 from rlft.models.template import check_end_of_turn, check_template, set_chat_template, write_template_record
@@ -56,8 +56,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 _ROUND_TRIP_PROBE = "What is 5588 +  12?\n\tIt is 5600.\n\n  x = 'y'"
 
 
-def load_tokenizer(cfg: ModelConfig) -> Any:
-    """AutoTokenizer, guarded against classes that rewrite a custom tokenizer.json.
+def load_tokenizer(cfg: ModelConfig, field: str = "model.path") -> Any:
+    """AutoTokenizer, guarded against classes that rewrite a custom tokenizer.json. `field`: the
+    config field `cfg.path` came from, named in errors (`teacher.path` for a teacher).
 
     With transformers 5.x, AutoTokenizer may pick an architecture's own tokenizer class for a
     custom `tokenizer.json` that replaces its pre-tokenizer (splitting digits or whitespace
@@ -68,7 +69,7 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
     if gguf is not None:
         return _finish_tokenizer(_load_gguf_tokenizer(gguf), cfg)
     given = cfg.tokenizer_path or cfg.path
-    field = "model.tokenizer_path" if cfg.tokenizer_path else "model.path"
+    field = "model.tokenizer_path" if cfg.tokenizer_path else field
     check_tokenizer_folder(given, field)
     # before importing transformers' tokenizers (seconds): an unusable hub id is known at once
     source = hub_source(given, cfg.revision, field)
@@ -79,8 +80,8 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as exc:
         raise RlftError(f"could not load the tokenizer from {given!r}: {exc}\n"
-                        "Fix: point model.path (or model.tokenizer_path) at a folder with tokenizer files, "
-                        "or a hub id reachable from this machine") from None
+                        f"Fix: point {field}{' (or model.tokenizer_path)' if field == 'model.path' else ''} at a "
+                        "folder with tokenizer files, or a hub id reachable from this machine") from None
     check_tokenizer(tokenizer, given)
     if _rewrites_tokenizer_json(tokenizer, Path(source)):
         log.info("%s tokenizes differently from %s/tokenizer.json; using tokenizer.json as is",
@@ -204,7 +205,9 @@ def bnb_4bit_config() -> Any:
                               bnb_4bit_use_double_quant=True)
 
 
-def load_causal_lm(cfg: ModelConfig, device: torch.device, dtype: torch.dtype | None = None) -> Any:
+def load_causal_lm(cfg: ModelConfig, device: torch.device, dtype: torch.dtype | None = None,
+                   field: str = "model.path") -> Any:
+    """`field`: the config field `cfg.path` came from, named in errors (`teacher.path` for a teacher)."""
     from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
@@ -219,15 +222,16 @@ def load_causal_lm(cfg: ModelConfig, device: torch.device, dtype: torch.dtype | 
                               "model.path=FOLDER")
 
         model = load_gguf_model(gguf, kwargs["dtype"], device)
-        check_causal_lm(model, {}, cfg.path)
+        check_causal_lm(model, {}, cfg.path, field)
         return model
     if cfg.quantization == "4bit":
         check_4bit_support(device)
         # bitsandbytes places the quantised weights as they load; a 4-bit model is not moved afterwards
         index = device.index if device.index is not None else torch.cuda.current_device()
         kwargs.update(quantization_config=bnb_4bit_config(), device_map={"": index})
-    check_model_folder(cfg.path)
-    source = hub_source(cfg.path, cfg.revision, "model.path")
+    check_model_folder(cfg.path, field)
+    source = hub_source(cfg.path, cfg.revision, field)
+    check_not_classifier(saved_architectures(source), cfg.path, field)  # before its weights load
     try:
         model, info = AutoModelForCausalLM.from_pretrained(source, output_loading_info=True,
                                                            **kwargs)
@@ -235,22 +239,25 @@ def load_causal_lm(cfg: ModelConfig, device: torch.device, dtype: torch.dtype | 
         raise
     except Exception as exc:  # noqa: BLE001  (safetensors, torch.load and config errors have many types)
         raise RlftError(f"could not load a causal LM from {cfg.path!r}: {type(exc).__name__}: {exc}\n"
-                        "Fix: model.path must be a local checkpoint folder or a reachable hub id") from None
+                        f"Fix: {field} must be a local checkpoint folder or a reachable hub id") from None
     if cfg.quantization == "none":
         model = model.to(device)
-    check_causal_lm(model, info, cfg.path)
+    check_causal_lm(model, info, cfg.path, field)
     return model
 
 
-def load_policy(cfg: ModelConfig, lora: LoraConfig, dtype: torch.dtype | None = None) -> LoadedModel:
-    """`dtype`: the weights' dtype training resolved (models/precision.py); default model.dtype."""
+def load_policy(cfg: ModelConfig, lora: LoraConfig, dtype: torch.dtype | None = None,
+                field: str = "model.path") -> LoadedModel:
+    """`dtype`: the weights' dtype training resolved (models/precision.py); default model.dtype.
+    `field`: the config field `cfg.path` came from, named in errors (a teacher loads through here)."""
     device = resolve_device(cfg.device)
     check_quantization(cfg, lora, device)
     if _gguf_file(cfg) is None:  # (a GGUF source is checked there)
-        check_model_folder(cfg.path)  # before the tokenizer: a wrong folder is named as such, not as a tokenizer problem
-    tokenizer = load_tokenizer(cfg)
+        # before the tokenizer: a wrong folder is named as such, not as a tokenizer problem
+        check_model_folder(cfg.path, field)
+    tokenizer = load_tokenizer(cfg, field)
     check_template(cfg.path, tokenizer, cfg.allow_template_change)
-    model = load_causal_lm(cfg, device, dtype)
+    model = load_causal_lm(cfg, device, dtype, field)
     check_tokenizer(tokenizer, cfg.tokenizer_path or cfg.path, model.get_input_embeddings().num_embeddings)
     if cfg.quantization == "4bit":
         from peft import prepare_model_for_kbit_training

@@ -112,8 +112,11 @@ def _current(points: Points, smooth: int) -> float | None:
     return _mean(points[-smooth:]) if len(points) >= smooth else None
 
 
-def _start(points: Points, baseline: int) -> float | None:
-    return _mean(points[:baseline]) if len(points) >= baseline else None
+def _start(points: Points, baseline: int, smooth: int) -> float | None:
+    """Mean of the first `baseline` values; None until the last `smooth` come after them. On a short
+    run the two windows overlap and a change from the start is measured partly against itself (a
+    random model's lengths at step 3 read as drift)."""
+    return _mean(points[:baseline]) if len(points) >= baseline + smooth else None
 
 
 def _last_step(history: AnyHistory) -> int:
@@ -136,8 +139,23 @@ def _level_alert(name: str, history: AnyHistory, metric: str, smooth: int, limit
                  f"{metric} {_g(now)}{_over(smooth)} is above {_g(limit)}: {what}", {metric: now, "limit": limit})
 
 
+def _since(start: float | None) -> str:
+    return "" if start is None else f"start {_g(start)}; "
+
+
 def _over(smooth: int) -> str:
     return f" (mean of the last {smooth} steps)" if smooth > 1 else ""
+
+
+def _every(points: Points, steps: int) -> bool:
+    """Whether the last `steps` values are all 1: a share that held for every group, completion or
+    call of each of those steps (a case a run learns nothing from, said at once, before any window
+    of means fills)."""
+    return len(points) >= steps and all(v >= 1.0 for _, v in points[-steps:])
+
+
+def _in_each(steps: int) -> str:
+    return "in the last step" if steps == 1 else f"in each of the last {steps} steps"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,7 +196,7 @@ def length_drift(history: AnyHistory, *, metric: str, baseline: int, smooth: int
     """Mean completion length more than `max_drift` (relative) away from its start, or grown by
     more than `max_growth` (relative) over the last `growth_window` records."""
     points = series(history, metric)
-    start, now = _start(points, baseline), _current(points, smooth)
+    start, now = _start(points, baseline, smooth), _current(points, smooth)
     if start is None or now is None or start <= 0:
         return None
     drift = now / start - 1
@@ -203,12 +221,12 @@ def repetition(history: AnyHistory, *, metric: str, baseline: int, smooth: int, 
                max_rise: float) -> Alert | None:
     """The batch's n-gram repetition rate above `max_rate`, or risen by more than `max_rise` over its start."""
     points = series(history, metric)
-    start, now = _start(points, baseline), _current(points, smooth)
-    if start is None or now is None:
+    start, now = _start(points, baseline, smooth), _current(points, smooth)
+    if now is None:
         return None
-    if now > max_rate or now - start > max_rise:
+    if now > max_rate or (start is not None and now - start > max_rise):
         return Alert("repetition", _last_step(history),
-                     f"{metric} {_g(now)}{_over(smooth)} (start {_g(start)}; limits: {_g(max_rate)}, or a rise of "
+                     f"{metric} {_g(now)}{_over(smooth)} ({_since(start)}limits: {_g(max_rate)}, or a rise of "
                      f"{_g(max_rise)}): completions repeat themselves; look at the samples",
                      {metric: now, "start": start})
     return None
@@ -240,15 +258,19 @@ def entropy_collapse(history: AnyHistory, *, metric: str, baseline: int, smooth:
                      max_drop: float) -> Alert | None:
     """Token entropy below `min_entropy`, or fallen by more than the fraction `max_drop` from its start."""
     points = series(history, metric)
-    start, now = _start(points, baseline), _current(points, smooth)
-    if start is None or now is None:
+    start, now = _start(points, baseline, smooth), _current(points, smooth)
+    if now is None:
         return None
-    drop = 1 - now / start if start > 0 else 0.0
-    if now < min_entropy or drop > max_drop:
+    drop = 1 - now / start if start is not None and start > 0 else 0.0
+    if now < min_entropy:  # a level: said as one, whichever way it moved since the start
         return Alert("entropy_collapse", _last_step(history),
-                     f"{metric} {_g(now)}{_over(smooth)} has fallen {drop:.0%} from {_g(start)} (limits: below "
-                     f"{_g(min_entropy)}, or a {max_drop:.0%} drop): the policy stops exploring",
-                     {metric: now, "start": start, "drop": drop})
+                     f"{metric} {_g(now)}{_over(smooth)} is below the floor {_g(min_entropy)}"
+                     f"{'' if start is None else f' (start {_g(start)})'}: sampling is near-greedy, the policy "
+                     "stops exploring", {metric: now, "start": start, "drop": drop})
+    if drop > max_drop:
+        return Alert("entropy_collapse", _last_step(history),
+                     f"{metric} {_g(now)}{_over(smooth)} has fallen {drop:.0%} from {_g(start)} (limit: a "
+                     f"{max_drop:.0%} drop): the policy stops exploring", {metric: now, "start": start, "drop": drop})
     return None
 
 
@@ -289,8 +311,18 @@ def clip_fraction(history: AnyHistory, *, high_metric: str, low_metric: str, smo
 
 
 @detector("zero_variance")
-def zero_variance(history: AnyHistory, *, metric: str, smooth: int, max_frac: float) -> Alert | None:
-    """Many groups whose completions all scored alike (no advantage, no learning signal)."""
+def zero_variance(history: AnyHistory, *, metric: str, smooth: int, max_frac: float, all_steps: int,
+                  reward_metric: str) -> Alert | None:
+    """Many groups whose completions all scored alike (no advantage, no learning signal); every
+    group of each of the last `all_steps` steps fires at once: nothing is learned at all."""
+    if _every(series(history, metric), all_steps):
+        rewards = series(history, reward_metric)
+        mean = f" ({reward_metric} {_g(rewards[-1][1])})" if rewards else ""
+        return Alert("zero_variance", _last_step(history),
+                     f"every group's completions got equal rewards {_in_each(all_steps)} ({metric} 1){mean}: no "
+                     "advantage, so the run learns nothing. Check that the reward can tell completions apart (one "
+                     "that returns the same value for every completion, or fails on all of them), or use prompts "
+                     "the policy solves sometimes, not always or never", {metric: 1.0, "steps": float(all_steps)})
     return _level_alert("zero_variance", history, metric, smooth, max_frac,
                         "many prompt groups give no learning signal (all completions scored alike): the data is "
                         "too easy or too hard for the policy, or the reward is too coarse")
@@ -298,18 +330,59 @@ def zero_variance(history: AnyHistory, *, metric: str, smooth: int, max_frac: fl
 
 @detector("truncation")
 def truncation(history: AnyHistory, *, metric: str, baseline: int, smooth: int, max_rate: float,
-               max_rise: float) -> Alert | None:
-    """Share of completions cut at max_new_tokens above `max_rate`, or risen by more than `max_rise`."""
+               max_rise: float, all_steps: int) -> Alert | None:
+    """Share of completions cut at max_new_tokens above `max_rate`, or risen by more than `max_rise`;
+    every completion of each of the last `all_steps` steps cut fires at once."""
     points = series(history, metric)
-    start, now = _start(points, baseline), _current(points, smooth)
-    if start is None or now is None:
-        return None
-    if now > max_rate or now - start > max_rise:
+    if _every(points, all_steps):
         return Alert("truncation", _last_step(history),
-                     f"{metric} {_g(now)}{_over(smooth)} (start {_g(start)}; limits: {_g(max_rate)}, or a rise of "
+                     f"every completion hit the length limit {_in_each(all_steps)} ({metric} 1): none ends on its "
+                     "own, so the rewards score cut-off answers and the run learns little or nothing. Raise "
+                     "rollout.max_new_tokens (agent.max_total_tokens for episodes), or teach the format to stop "
+                     "first (SFT)", {metric: 1.0, "steps": float(all_steps)})
+    start, now = _start(points, baseline, smooth), _current(points, smooth)
+    if now is None:
+        return None
+    if now > max_rate or (start is not None and now - start > max_rise):
+        return Alert("truncation", _last_step(history),
+                     f"{metric} {_g(now)}{_over(smooth)} ({_since(start)}limits: {_g(max_rate)}, or a rise of "
                      f"{_g(max_rise)}): completions are not finishing (raise rollout.max_new_tokens, or penalise "
                      "length)", {metric: now, "start": start})
     return None
+
+
+# the fix for the kind of failed tool call seen most (agent/errors/<kind>: rollout/agent/tools.py ERROR_KINDS)
+_TOOL_FIXES = {
+    "raised": "the tool raises: call it by hand with the arguments in samples.jsonl's transcripts",
+    "timeout": "the tool does not return within agent.tool_timeout_s: make it faster or raise the limit",
+    "bad_result": "the tool returns something that is not text (None, an object): return a str",
+    "malformed": "the model's calls cannot be read: check that agent.parser is the model's call syntax, or SFT on "
+                 "tool-use transcripts first",
+    "unknown_tool": "the model calls tools that are not in agent.tools: check their names",
+    "bad_arguments": "the model's arguments do not fit the tools' signatures: check their docstrings and type hints",
+    "too_many_calls": "the model makes more calls per turn than agent.max_calls_per_turn",
+}
+
+
+@detector("tool_errors")
+def tool_errors(history: AnyHistory, *, metric: str, metrics: list[str], smooth: int,
+                min_rate: float) -> Alert | None:
+    """An agent's failed tool calls at or above the share `min_rate` (by default every call) over the
+    last `smooth` records: the model never reads a tool's result. The message names the kinds
+    (`metrics`, counts per step) and the fix for the most frequent one."""
+    now = _current(series(history, metric), smooth)
+    if now is None or now < min_rate:
+        return None
+    kinds = {key.rsplit("/", 1)[-1]: sum(v for _, v in series(history, key)[-smooth:]) for key in metrics}
+    seen = sorted(((n, kind) for kind, n in kinds.items() if n > 0), reverse=True)
+    counts = f" ({', '.join(f'{kind}: {n:g}' for n, kind in seen)})" if seen else ""
+    fix = f": {_TOOL_FIXES[seen[0][1]]}" if seen and seen[0][1] in _TOOL_FIXES else ""
+    if now >= 1.0:
+        what = f"every tool call failed {_in_each(smooth)}{counts}: the model never gets a tool's result"
+    else:
+        what = f"{metric} {_g(now)}{_over(smooth)}{counts}: the model rarely gets a tool's result"
+    return Alert("tool_errors", _last_step(history), f"{what}, so the run learns nothing about using its tools{fix}",
+                 {metric: now, **{f"errors/{kind}": n for n, kind in seen}})
 
 
 @detector("infra_errors")

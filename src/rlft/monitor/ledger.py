@@ -94,22 +94,59 @@ def write_markdown(rows: list[dict[str, Any]], path: str | Path) -> Path:
     return path
 
 
+# The terminal table has one row per setting or metric and one column per run, so a long metric
+# name costs its width once and each run one column; runs that do not fit at RUN_MIN characters go
+# to further tables, each beside the baseline again (run columns under ~14 characters fold numbers
+# and names into unreadable pieces: 80 columns once gave 12 columns of 3 characters).
+LABEL_MAX = 28  # the widest label column (eval/format_compliance is 22); longer names fold
+RUN_MIN, RUN_MAX = 14, 48  # a run column's width: never narrower; names past what it gets end in '...'
+
+
+def _run_tables(n_runs: int, width: int, label_width: int) -> list[list[int]]:
+    """The run indices of each table: the baseline (0) first in every one, then as many runs as fit."""
+    # a column costs its width, 2 of padding and 1 rule; the table 1 rule more
+    room = max(1, (width - label_width - 4) // (RUN_MIN + 3))
+    per_table = max(1, room - 1)  # besides the baseline
+    others = list(range(1, n_runs))
+    return [[0, *others[i:i + per_table]] for i in range(0, len(others), per_table)] or [[0]]
+
+
 def print_table(rows: list[dict[str, Any]], console: Any = None) -> None:
-    """The ledger as a rich table; runs changing more than one setting are marked."""
+    """The ledger as rich tables fitted to the terminal: settings and metrics as rows, runs as
+    columns (the baseline first); runs changing more than one setting are marked."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
     console = console or Console()
-    table = Table(title="runs vs the first (baseline)")
-    cols = [c for c in _columns(rows) if c not in ("baseline", "multi_change", "n_changes")]
-    for col in cols:
-        table.add_column(col, overflow="fold")
-    for row in rows:
-        cells = [escape(_cell(c, row.get(c))) for c in cols]
-        if row["baseline"]:
-            cells[cols.index("changes")] = "(baseline)"
-        elif row["multi_change"]:
-            cells[cols.index("changes")] += f"\n[bold yellow]{row['n_changes']} changes: not one change per experiment"
-        table.add_row(*cells)
-    console.print(table)
+    if not rows:
+        return
+    fields = [c for c in _columns(rows) if c not in ("run", "baseline", "multi_change", "n_changes")]
+    label_width = min(max([len(f) for f in fields] + [1]), LABEL_MAX)
+    groups = _run_tables(len(rows), console.width, label_width)
+    for group in groups:
+        # the run columns share what the label column leaves, each at most RUN_MAX wide
+        widest = max(RUN_MIN, min(RUN_MAX, (console.width - label_width - 4) // len(group) - 3))
+        table = Table(title="runs vs the first (baseline)" + ("" if len(groups) == 1 else (
+            f" (run {group[1] + 1} of {len(rows)})" if len(group) == 2
+            else f" (runs {group[1] + 1}-{group[-1] + 1} of {len(rows)})")))
+        table.add_column("", width=label_width, overflow="fold")
+        for i in group:
+            name = rows[i]["run"]
+            table.add_column(Text(name, no_wrap=True, overflow="ellipsis"), min_width=RUN_MIN, max_width=widest,
+                             overflow="fold")
+        for field in fields:
+            cells = []
+            for i in group:
+                row = rows[i]
+                if field == "changes":  # one change a line
+                    changes = escape(_cell("changes", row["changes"])).replace("; ", "\n")
+                    cell = "(baseline)" if row["baseline"] else changes
+                    if row["multi_change"]:
+                        cell += f"\n[bold yellow]{row['n_changes']} changes: not one change per experiment"
+                else:
+                    cell = escape(_cell(field, row.get(field)))
+                cells.append(cell)
+            table.add_row(field, *cells)
+        console.print(table)

@@ -18,9 +18,10 @@ import logging
 import re
 import time
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from rlft.errors import RlftError
+from rlft.monitor.rundir import writing
 from rlft.monitor.runlog import flatten, is_number
 
 BACKENDS = ("jsonl", "tensorboard", "wandb", "mlflow")
@@ -55,29 +56,42 @@ def sample_rows(records: list[dict[str, Any]]) -> list[list[Any]]:
 
 
 class LoggerGroup:
-    """All configured backends behind the one `Logger` interface."""
+    """All configured backends behind the one `Logger` interface. A backend's failed write (a full
+    disk under its folder) is one RunDirError naming that folder, like the run directory's own."""
 
     def __init__(self, loggers: list[Logger]):
         self.loggers = loggers
 
     def log_config(self, config: dict[str, Any]) -> None:
-        for lg in self.loggers:
-            lg.log_config(config)
+        self._each(lambda lg: lg.log_config(config), "logging the config")
 
     def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
         scalars = scalar_metrics(metrics)
-        for lg in self.loggers:
-            lg.log_metrics(step, scalars)
+        self._each(lambda lg: lg.log_metrics(step, scalars), "logging metrics")
 
     def log_samples(self, step: int, records: list[dict[str, Any]]) -> None:
-        for lg in self.loggers:
-            lg.log_samples(step, records)
+        self._each(lambda lg: lg.log_samples(step, records), "logging samples")
 
     def close(self) -> None:
         """Flush and close every backend; safe to call again (every exit path of a run calls it)."""
         loggers, self.loggers = self.loggers, []
         for lg in loggers:
-            lg.close()
+            with writing(f"closing {_backend(lg)}", _where(lg)):
+                lg.close()
+
+    def _each(self, call: Callable[[Logger], None], what: str) -> None:
+        for lg in self.loggers:
+            with writing(f"{what} to {_backend(lg)}", _where(lg)):
+                call(lg)
+
+
+def _backend(lg: Logger) -> str:
+    return type(lg).__name__.removesuffix("Logger")
+
+
+def _where(lg: Logger) -> Path:
+    """The folder a backend writes (`log_dir`, set by each backend here)."""
+    return Path(getattr(lg, "log_dir", "."))
 
 
 def build_loggers(names: list[str], run_dir: str | Path, run_name: str, settings: Any) -> LoggerGroup:
@@ -176,6 +190,7 @@ class WandbLogger:
         import wandb
 
         mode = getattr(settings, "wandb_mode", "offline")
+        self.log_dir = run_dir / "wandb"
         try:
             self.run = wandb.init(project=getattr(settings, "wandb_project", "rlft"),
                                   entity=getattr(settings, "wandb_entity", None), name=run_name, dir=str(run_dir),
@@ -236,6 +251,7 @@ class MlflowLogger:
 
         uri = getattr(settings, "mlflow_tracking_uri", None)
         artifacts = None
+        self.log_dir = run_dir / "mlflow"
         if not uri:
             store = (run_dir / "mlflow").resolve()
             store.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ from typing import Any
 
 from rlft.config.monitor import EarlyStopSettings, MonitorConfig
 from rlft.monitor.detectors import DETECTORS, Alert, History
+from rlft.monitor.rundir import append_lines, write_text_atomic
 from rlft.monitor.text_stats import batch_repetition_rate
 
 EVENTS_FILE = "events.jsonl"
@@ -98,8 +99,7 @@ class Monitor:
     def _write(self, alert: Alert) -> None:
         if self.events_path is None:
             return
-        with self.events_path.open("a") as f:
-            f.write(json.dumps(_clean(alert.to_event())) + "\n")
+        append_lines(self.events_path, [json.dumps(_clean(alert.to_event())) + "\n"], "logging a health event")
 
     # -- resume -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -116,7 +116,8 @@ class Monitor:
         if self.events_path is not None and self.events_path.exists():
             lines = [ln for ln in self.events_path.read_text().splitlines()
                      if ln.strip() and json.loads(ln).get("step", 0) <= step]
-            self.events_path.write_text("".join(ln + "\n" for ln in lines))
+            write_text_atomic(self.events_path, "".join(ln + "\n" for ln in lines),
+                              f"cutting {self.events_path.name} back to step {step}")
 
 
 def _number(value: Any) -> float | None:

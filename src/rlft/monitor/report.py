@@ -18,6 +18,7 @@ from typing import Any, Callable
 import yaml
 
 from rlft.errors import RlftError
+from rlft.monitor.rundir import Redo, write_text_atomic, writing
 from rlft.monitor.runlog import RunData, flatten, is_number, load_runs
 
 # (section title, does a metric key belong here) in page order; a key goes to the first match
@@ -47,8 +48,10 @@ def write_report(run_dirs: list[str | Path], out: str | Path, sample_steps: list
         raise RlftError("rlft report: give at least one run directory")
     runs = load_runs(list(run_dirs))
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_report(runs, sample_steps), encoding="utf-8")
+    redo = Redo("an --out file", "run `rlft report` again")
+    with writing("creating the report's folder", out.parent, redo):
+        out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out, render_report(runs, sample_steps), "writing the report", redo)
     return out
 
 

@@ -1,10 +1,13 @@
 """The run directory: resolved config, metrics.jsonl, samples.jsonl, events.jsonl, summary.json,
-checkpoints/, final/ -- everything needed to resume or report a run with nothing else.
+data.json (what it trains on), checkpoints/, final/ -- everything needed to resume or report a run
+with nothing else.
 
 A run directory is marked (`.rlft-run`) and, while a run trains in it, locked (`.rlft-run.lock`,
 an advisory lock the kernel drops when the process dies): rlft never adopts a folder of other
-files, and two runs never write one folder at once. Failing writes (full disk, read-only or
-unwritable location, a file where a folder should be) are one error naming the path and the fix.
+files, and two runs never write one folder at once. Failing writes (full disk, a file-size limit,
+a read-only or unwritable location, a file where a folder should be) are one error naming the path
+and the fix, and leave nothing half-written: files are replaced whole (`write_atomic`), log lines
+appended whole (`append_lines`), folders swapped in whole (`folder_atomic`).
 """
 
 from __future__ import annotations
@@ -14,13 +17,17 @@ import fcntl
 import json
 import math
 import os
+import re
+import shutil
 import socket
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from rlft.config import Config, dump_config, load_config
+from rlft.data.fingerprint import describe, training_sources
 from rlft.errors import RlftError
 
 # Settings that may differ when an existing run directory is continued.
@@ -40,29 +47,130 @@ class RunDirError(RlftError):
     """The run directory cannot be used or written."""
 
 
+@dataclass(frozen=True)
+class Redo:
+    """How an error's fix ends: where to write instead, and what to run once fixed."""
+    place: str = "an output_dir"
+    then: str = "start the run again (it continues from its newest checkpoint)"
+
+
+RUN = Redo()  # the run directory's writes
+
+
 @contextmanager
-def writing(what: str, path: Path) -> Iterator[None]:
-    """Turn an OS error while writing `path` into one RunDirError that says what failed and how
-    to fix it (a full disk, a read-only or unwritable location, a file where a folder should be)."""
+def writing(what: str, path: Path, redo: Redo = RUN) -> Iterator[None]:
+    """Turn a failed write of `path` into one RunDirError that says what failed and how to fix it
+    (a full disk, a file-size limit, a read-only or unwritable location, a file where a folder
+    should be), however the writer reported it (see `os_error_of`). Any other error passes."""
     try:
         yield
     except RlftError:
         raise
-    except OSError as exc:
-        raise RunDirError(describe_os_error(exc, what, path)) from None
+    except Exception as exc:
+        cause = os_error_of(exc)
+        if cause is None:
+            raise
+        raise RunDirError(describe_os_error(cause, what, path, redo)) from None
 
 
-def describe_os_error(exc: OSError, what: str, path: Path) -> str:
-    if exc.errno == errno.ENOSPC:
-        fix = "free space on that disk (or choose an output_dir on another one), then resume the run"
-        return f"no space left on the device of {path} while {what}.\nFix: {fix}"
+# safetensors (Rust) reports an I/O error in its text only: "... File too large (os error 27)"
+_OS_ERROR_TEXT = re.compile(r"\(os error (\d+)\)")
+
+
+def os_error_of(exc: BaseException) -> OSError | None:
+    """The OS error behind `exc`, or None when it is not one. Python's own I/O raises OSError; the
+    writers of weights do not: safetensors raises SafetensorError naming the errno in its text, and
+    torch's zip writer raises RuntimeError ("unexpected pos N vs M") with the OSError of the file
+    object it wrote to as its context."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError):
+            return current
+        found = _OS_ERROR_TEXT.search(str(current))
+        if found:
+            number = int(found.group(1))
+            return OSError(number, os.strerror(number))
+        if "database or disk is full" in str(current):  # SQLite's word for it (MLflow's local store)
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def describe_os_error(exc: OSError, what: str, path: Path, redo: Redo = RUN) -> str:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"no space left on the device of {path} while {what}.\n"
+                f"Fix: free space on that disk (or choose {redo.place} on another one), then {redo.then}")
+    if exc.errno == errno.EFBIG:
+        return (f"cannot write {path} while {what}: the file grew past this process's file-size limit "
+                f"(`ulimit -f`) or the largest file that file system holds.\nFix: raise the limit "
+                f"(`ulimit -f unlimited`) or choose {redo.place} on another file system, then {redo.then}")
     if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
         return (f"cannot write {path} while {what}: {exc.strerror}.\n"
-                "Fix: choose an output_dir in a location this user can write")
+                f"Fix: choose {redo.place} in a location this user can write")
     if exc.errno in (errno.ENOTDIR, errno.EEXIST):
         return (f"cannot write {path} while {what}: a file stands where a folder is needed ({exc.strerror}).\n"
-                "Fix: choose another output_dir, or move that file away")
-    return f"cannot write {path} while {what}: {exc.strerror or exc}"
+                f"Fix: move that file away, or choose {redo.place} elsewhere")
+    return (f"cannot write {path} while {what}: {exc.strerror or exc}.\n"
+            f"Fix: check the disk that holds it, or choose {redo.place} on another one, then {redo.then}")
+
+
+def write_text_atomic(path: Path, text: str, what: str, redo: Redo = RUN) -> None:
+    """`path` holds `text` whole, or (the write failed: one RunDirError) what it held before."""
+    write_atomic(path, what, lambda tmp: tmp.write_text(text, encoding="utf-8"), redo)
+
+
+def write_atomic(path: Path, what: str, write: Callable[[Path], None], redo: Redo = RUN) -> None:
+    """`write(tmp)` writes a file beside `path` that is then renamed over it: `path` is whole or
+    as before, and a failed write is one RunDirError naming `path`."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with writing(what, path, redo):
+            write(tmp)
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def append_lines(path: Path, lines: list[str], what: str) -> None:
+    """Append `lines` ("\n"-terminated) to `path` all or none: a failed write cuts the file back
+    to where it ended, so a reader (and a resume) never meets half a record."""
+    data = "".join(lines).encode("utf-8")
+    if not data:
+        return
+    with writing(what, path):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            end = os.lseek(fd, 0, os.SEEK_END)
+            try:
+                view = memoryview(data)
+                while view:  # a write near a size limit or a full disk may write only part
+                    view = view[os.write(fd, view):]
+            except BaseException:
+                os.ftruncate(fd, end)
+                raise
+        finally:
+            os.close(fd)
+
+
+@contextmanager
+def folder_atomic(path: Path, what: str) -> Iterator[Path]:
+    """A temporary folder beside `path` for the block to fill; when the block ends it replaces
+    `path` whole. A failed write (one RunDirError naming `path`) removes it: no half-written folder
+    is left, and a full disk gets its space back. Temporaries of a killed process go first."""
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with writing(what, path):
+            tmp.mkdir(parents=True)
+            yield tmp
+            if path.exists():
+                shutil.rmtree(path)
+            tmp.rename(path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class RunDir:
@@ -139,6 +247,10 @@ class RunDir:
         return self.root / "events.jsonl"
 
     @property
+    def data_path(self) -> Path:
+        return self.root / "data.json"
+
+    @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
 
@@ -149,9 +261,9 @@ class RunDir:
     def create(self, config: Config) -> None:
         """Claim the folder (see `claim`) and write the resolved config."""
         self.claim(adopt=config.adopt_output_dir)
-        with writing("writing the run's config", self.config_path):
+        with writing("creating its checkpoints folder", self.checkpoints):
             self.checkpoints.mkdir(exist_ok=True)
-            dump_config(config, self.config_path)
+        write_atomic(self.config_path, "writing the run's config", lambda tmp: dump_config(config, tmp))
 
     def config_changes(self, config: Config) -> list[str]:
         """Dotted fields where `config` differs from the saved config.yaml, besides those a
@@ -168,18 +280,45 @@ class RunDir:
         return [f"training.{name} {getattr(saved, name)} -> {getattr(config.training, name)}"
                 for name in ("max_steps", "epochs") if getattr(saved, name) != getattr(config.training, name)]
 
+    def data_changes(self, config: Config, prints: dict[str, dict[str, Any]]) -> list[str]:
+        """'FILE (SETTING) has changed ...: 2,000 lines, ... then, 50 lines, ... now' for each source whose
+        fingerprint `prints` (rlft.data.fingerprint) differs from the one recorded when the run
+        started. Sources without a record (a run from before rlft kept them) or gone now (their
+        reader says so) are not compared."""
+        saved = self._recorded_data()
+        changes = []
+        for setting, location in training_sources(config):
+            then, now = saved.get(location), prints.get(location)
+            if then is None or now is None or then == now:
+                continue
+            was, is_ = describe(then), describe(now)
+            changes.append(f"{location} ({setting}) has changed since the run started: "
+                           + (f"{was} then, {is_} now" if was != is_ else f"other content of the same size ({is_})"))
+        return changes
+
+    def record_data(self, prints: dict[str, dict[str, Any]], resumed: bool) -> None:
+        """Keep the fingerprints of what the run trains on (data.json). A resumed run keeps those
+        recorded when it started: they describe what its checkpoints were trained on."""
+        if not self.writer:
+            return
+        recorded = {**prints, **self._recorded_data()} if resumed else prints
+        write_text_atomic(self.data_path, json.dumps(recorded, indent=2), "recording the training data's fingerprints")
+
+    def _recorded_data(self) -> dict[str, dict[str, Any]]:
+        try:
+            return json.loads(self.data_path.read_text())
+        except (OSError, json.JSONDecodeError):  # none recorded (a run from an older rlft) or unreadable
+            return {}
+
     def log_metrics(self, record: dict[str, Any]) -> None:
         if not self.writer:
             return
-        with writing("logging metrics", self.metrics_path):
-            _append_jsonl(self.metrics_path, record)
+        append_lines(self.metrics_path, [_jsonl(record)], "logging metrics")
 
     def log_samples(self, records: list[dict[str, Any]]) -> None:
         if not self.writer:
             return
-        with writing("logging samples", self.samples_path):
-            for record in records:
-                _append_jsonl(self.samples_path, record)
+        append_lines(self.samples_path, [_jsonl(r) for r in records], "logging samples")
 
     def read_metrics(self) -> list[dict[str, Any]]:
         if not self.metrics_path.exists():
@@ -196,17 +335,19 @@ class RunDir:
                 continue
             keep = [ln for ln in path.read_text().splitlines()
                     if ln.strip() and json.loads(ln).get("step", 0) <= step]
-            path.write_text("".join(ln + "\n" for ln in keep))
+            write_text_atomic(path, "".join(ln + "\n" for ln in keep), f"cutting {path.name} back to step {step}")
+
+    def read_summary(self) -> dict[str, Any]:
+        return json.loads(self.summary_path.read_text()) if self.summary_path.exists() else {}
 
     def update_summary(self, values: dict[str, Any]) -> dict[str, Any]:
-        summary = json.loads(self.summary_path.read_text()) if self.summary_path.exists() else {}
+        summary = self.read_summary()
+        if "status" in values and "error" not in values:  # an error belongs to the status it explained
+            summary.pop("error", None)
         summary.update(values)
         if not self.writer:
             return summary
-        tmp = self.summary_path.with_suffix(".tmp")
-        with writing("writing summary.json", self.summary_path):
-            tmp.write_text(json.dumps(_clean(summary), indent=2))
-            tmp.replace(self.summary_path)
+        write_text_atomic(self.summary_path, json.dumps(_clean(summary), indent=2), "writing summary.json")
         return summary
 
 
@@ -230,9 +371,8 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(_clean(record)) + "\n")
+def _jsonl(record: dict[str, Any]) -> str:
+    return json.dumps(_clean(record)) + "\n"
 
 
 def fresh_dir(root: Path) -> Path:

@@ -36,7 +36,7 @@ from typing import Any
 from rlft.config import Config
 from rlft.errors import RlftError
 from rlft.models.precision import resolve_precision
-from rlft.plan.inputs import plan_input_from_config, read_model_config
+from rlft.plan.inputs import check_positions, plan_input_from_config, read_model_config
 from rlft.plan.lengths import data_lengths
 from rlft.plan.memory import CUDA_CONTEXT, Verdict, advise, micro_batch_layer_bytes, plan_memory, size_text
 
@@ -286,23 +286,28 @@ def fit_memory(config: Config, world: Any, device: Any, local_ranks: int | None 
                world_size: int | None = None) -> Fit:
     """The config this run trains with: `config` itself when its plan fits the budget (or the plan or
     budget is unknown), else with the cheapest savers that fit. Raises RlftError, before any weight
-    loads, when nothing fits. `local_ranks`: ranks on this machine (default: torchrun's
-    LOCAL_WORLD_SIZE) and `world_size` (default: the world's): the launcher passes --nproc for both
-    to check before starting the ranks."""
+    loads, when nothing fits or the sequences are longer than the model's positions (check_positions).
+    `local_ranks`: ranks on this machine (default: torchrun's LOCAL_WORLD_SIZE) and `world_size`
+    (default: the world's): the launcher passes --nproc for both to check before starting the ranks."""
     import os
 
 
     if local_ranks is None:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     budget = run_budget(config, device, local_ranks)
-    if budget is None:
-        return Fit(config)
-    # every rank must choose the same settings: plan for the smallest budget of them all
-    capacity = int(-world.max([-budget.capacity])[0]) if world.active else budget.capacity
-    budget = replace(budget, capacity=capacity)
+    if budget is not None:
+        # every rank must choose the same settings: plan for the smallest budget of them all
+        capacity = int(-world.max([-budget.capacity])[0]) if world.active else budget.capacity
+        budget = replace(budget, capacity=capacity)
     try:
         model_cfg = read_model_config(config.model.path, config.model.revision, config.model.trust_remote_code)
-        lengths = data_lengths(config)
+    except RlftError:
+        return Fit(config)  # loading reports an unreadable model
+    lengths = data_lengths(config)
+    check_positions(config, model_cfg, lengths)  # with or without a memory budget
+    if budget is None:
+        return Fit(config)
+    try:
         base = plan_input_from_config(config, world_size or world.size, device, lengths=lengths)
 
         def slack(setting: Any) -> int:  # in RAM, what the allocator keeps resident beside the plan

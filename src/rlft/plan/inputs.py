@@ -11,7 +11,16 @@ from rlft.errors import ConfigError, RlftError
 from rlft.models.hub import hub_source
 from rlft.models.precision import resolve_precision
 from rlft.plan.lengths import data_lengths, worst_case_note
-from rlft.plan.memory import PlanInput, Verdict, advise, device_capacity, plan_memory, size_text
+from rlft.plan.memory import (
+    POSITION_KEYS,
+    PlanInput,
+    Verdict,
+    advise,
+    device_capacity,
+    model_positions,
+    plan_memory,
+    size_text,
+)
 
 
 def plan_precision(config: Config, local_device: Any = None) -> str:
@@ -95,6 +104,39 @@ def read_model_config(path: str, revision: str | None = None, trust_remote_code:
                         "Fix: model.path must be a local checkpoint folder or a reachable hub id") from None
 
 
+def check_positions(config: Config, model_cfg: dict[str, Any], lengths: Any = None) -> None:
+    """Raise a ConfigError, before any weight loads, when the run's sequences can be longer than the
+    model has positions for (config.json's max_position_embeddings): online, the prompt (the longest
+    one `lengths` measured, else data.max_prompt_length) + rollout.max_new_tokens (with an agent:
+    agent.max_total_tokens, the episode's budget after the prompt); offline, data.max_length. Past
+    its positions a model either fails mid-run or, with rotary positions, samples and trains on
+    garbage without a word."""
+    limit = model_positions(model_cfg)
+    if limit is None:
+        return
+    key = next(k for k in POSITION_KEYS if model_cfg.get(k) == limit)
+    where = f"the model's {limit} positions ({key} in {config.model.path}/config.json)"
+    d = config.data
+    if not config.is_online:
+        if d.max_length > limit:
+            raise ConfigError(f"data.max_length={d.max_length} is more than {where}: a row that long would run "
+                              f"past them.\nFix: data.max_length={limit} or less")
+        return
+    if lengths is not None:
+        prompt, prompt_text = lengths.prompt, f"the longest prompt in the data ({lengths.prompt} tokens)"
+    else:
+        prompt, prompt_text = d.max_prompt_length, f"data.max_prompt_length={d.max_prompt_length}"
+    field, after = (("agent.max_total_tokens", config.agent.max_total_tokens) if config.agent is not None
+                    else ("rollout.max_new_tokens", config.rollout.max_new_tokens))
+    if prompt + after <= limit:
+        return
+    room = limit - prompt
+    fix = (f"{field}={room} or less" + ("" if lengths is not None else ", or a lower data.max_prompt_length")
+           if room >= 1 else f"data.max_prompt_length and {field} that add up to at most {limit}")
+    raise ConfigError(f"{prompt_text} + {field}={after} = {prompt + after} tokens per sequence, more than {where}: "
+                      f"sequences would run past them.\nFix: {fix}")
+
+
 def plan_lengths(config: Config, worst_case: bool = False) -> tuple[Any, str]:
     """(DataLengths or None, the line that says which lengths the plan assumes)."""
     lengths = None if worst_case else data_lengths(config)
@@ -108,6 +150,8 @@ def plan_report(config: Config, device: str | None = None, memory_gb: float | No
                 world_size: int = 1, worst_case: bool = False) -> str:
     model_cfg = read_model_config(config.model.path, config.model.revision, config.model.trust_remote_code)
     lengths, note = plan_lengths(config, worst_case)
+    # the lengths the run will have (the data's, where it can be read), whatever --worst-case plans with
+    check_positions(config, model_cfg, data_lengths(config) if worst_case else lengths)
     try:
         setting = plan_input_from_config(config, world_size, lengths=lengths)
         label, capacity = device_capacity(device, memory_gb)

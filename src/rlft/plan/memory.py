@@ -600,6 +600,20 @@ def device_capacity(device: str | None = None, memory_gb: float | None = None) -
     raise ValueError(f"unknown device {device!r}; known: {', '.join(DEVICES_MIB)} (or give the memory in GiB)")
 
 
+# config.json's names for the positions a model has: Llama/Qwen2/Mistral, GPT-2, others
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def model_positions(model_config: Any) -> int | None:
+    """The longest sequence the model has positions for, from its config.json; None where it does not say."""
+    cfg = model_config.to_dict() if hasattr(model_config, "to_dict") else dict(model_config)
+    for key in POSITION_KEYS:
+        value = cfg.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def size_text(n: int) -> str:
     """Bytes as GiB, or MiB below one GiB (tiny models, tight limits)."""
     return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / 2**20:.1f} MiB"
@@ -672,7 +686,9 @@ def advise(model_config: Any, setting: PlanInput, capacity: int, context: int = 
     if s.quantization == "none":
         options.append((f"{s.world_size * 2} ranks (FSDP sharding)", replace(s, world_size=s.world_size * 2)))
     if s.seq_len > 2:
-        seq = s.seq_len // 2
+        positions = model_positions(model_config)
+        # never a length the model has no positions for (a halved 100,010 is still 50,005)
+        seq = s.seq_len // 2 if positions is None else min(s.seq_len // 2, positions)
         options.append((f"max length {s.seq_len} -> {seq} tokens",
                         replace(s, seq_len=seq, completion_len=max(1, s.completion_len * seq // s.seq_len))))
     base = plan_memory(model_config, s).total

@@ -25,7 +25,8 @@ MAX_SHOWN_OUTPUT = 10_000
 
 
 class ScoringInterrupted(Exception):
-    """The run was asked to stop while rewards were being computed; the step is abandoned."""
+    """The run was asked to stop while rewards were being computed (or an agent environment's call
+    ran: rollout/agent/environments.py waits the same way); the step is abandoned."""
 
 
 @dataclass

@@ -30,7 +30,7 @@ from typing import Any
 
 from rlft.rewards.reward_model import raw_scorer, shape_score
 from rlft.rewards.scores import Scored
-from rlft.rewards.scoring import register_reward
+from rlft.rewards.scoring import arg_field, register_reward
 
 COMBINERS = ("mean", "min", "pessimistic")
 
@@ -56,7 +56,8 @@ def reward_model_ensemble(paths: list[str], combine: str = "mean", lam: float | 
     """Score with every reward model in `paths` and combine (see the module docstring); the other
     arguments are those of `reward_model`, the same for every member."""
     lam = _check_args(paths, combine, lam)
-    members = [raw_scorer(p, batch_size, max_length, device, dtype, label)[0] for p in paths]
+    members = [raw_scorer(p, batch_size, max_length, device, dtype, label, field=arg_field(f"paths[{j}]"))[0]
+               for j, p in enumerate(paths)]
 
     def batch(prompts: list[Any], completions: list[str], rows: list[dict[str, Any]]) -> list[Scored]:
         per_member = [member(prompts, completions, rows) for member in members]  # [K][N]

@@ -21,14 +21,17 @@ import threading
 from typing import Any, Callable
 
 from rlft.errors import RlftError
+from rlft.models.folder_checks import (check_model_folder, check_reward_model_architecture, check_reward_model_weights,
+                                       saved_architectures)
 from rlft.models.hub import hub_source
 from rlft.models.template import as_messages
-from rlft.rewards.scoring import RewardFn, register_reward
+from rlft.rewards.scoring import RewardFn, arg_field, register_reward
 
 _ROUND_TRIP_PROBE = "a  b\n\tc 12 + 3 = 15"
 
 
-def _load(path: str, device: str, dtype: str):
+def _load(path: str, device: str, dtype: str, field: str):
+    """`field`: the config field `path` came from (`rewards[0].args.path`), named in errors."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerFast
 
@@ -36,12 +39,16 @@ def _load(path: str, device: str, dtype: str):
     if dtype not in dtypes:
         raise RlftError(f"reward_model: dtype must be one of {sorted(dtypes)}, got {dtype!r}")
 
-    source = hub_source(path, None, "reward_model args.path")
+    check_model_folder(path, field)  # a local path that is not there: "no such folder", never a hub-id error
+    source = hub_source(path, None, field)
+    check_reward_model_architecture(saved_architectures(source), path, field)  # before its weights load
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForSequenceClassification.from_pretrained(source, dtype=dtypes[dtype])
+        model, info = AutoModelForSequenceClassification.from_pretrained(source, dtype=dtypes[dtype],
+                                                                         output_loading_info=True)
     except (OSError, ValueError) as exc:
-        raise RlftError(f"reward_model: cannot load a sequence-classification model from {path!r}: {exc}") from None
+        raise RlftError(f"{field} {path!r}: cannot load a sequence-classification model: {exc}") from None
+    check_reward_model_weights(model, info, path, field)
     ids = tokenizer(_ROUND_TRIP_PROBE, add_special_tokens=False)["input_ids"]
     if tokenizer.decode(ids) != _ROUND_TRIP_PROBE:  # see rlft.models.loading.load_tokenizer
         try:
@@ -66,13 +73,15 @@ def render(tokenizer: Any, prompt: Any, completion: str) -> tuple[str, bool]:
 
 
 def raw_scorer(path: str, batch_size: int = 8, max_length: int = 2048, device: str = "cpu", dtype: str = "fp32",
-               label: int = 0) -> tuple[Callable[[list[Any], list[str], list[dict[str, Any]]], list[float]], Any]:
-    """(batch(prompts, completions, rows) -> the model's logit `label` per sample, its tokenizer)."""
+               label: int = 0, field: str = "args.path",
+               ) -> tuple[Callable[[list[Any], list[str], list[dict[str, Any]]], list[float]], Any]:
+    """(batch(prompts, completions, rows) -> the model's logit `label` per sample, its tokenizer).
+    `field`: the config field `path` came from, named in errors (`rewards[0].args.paths[1]`)."""
     import torch
 
     if batch_size < 1:
         raise RlftError(f"reward_model: batch_size must be >= 1, got {batch_size}")
-    model, tokenizer = _load(path, device, dtype)
+    model, tokenizer = _load(path, device, dtype, field)
     if not 0 <= label < model.config.num_labels:
         raise RlftError(f"reward_model: label {label} out of range; {path} has {model.config.num_labels} labels")
     lock = threading.Lock()  # one forward at a time if called per sample from the scorer's threads
@@ -116,7 +125,7 @@ def reward_model(path: str, batch_size: int = 8, max_length: int = 2048, device:
                  dtype: str = "fp32", label: int = 0, length_coef: float = 0.0,
                  clip: float | None = None) -> RewardFn:
     """Score with a sequence-classification reward model at `path` (logit `label`)."""
-    raw, tokenizer = raw_scorer(path, batch_size, max_length, device, dtype, label)
+    raw, tokenizer = raw_scorer(path, batch_size, max_length, device, dtype, label, field=arg_field("path"))
 
     def batch(prompts: list[Any], completions: list[str], rows: list[dict[str, Any]]) -> list[float]:
         scores = raw(prompts, completions, rows)

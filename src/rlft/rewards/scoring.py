@@ -48,6 +48,7 @@ import logging
 import math
 import os
 import pickle
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -81,8 +82,21 @@ def register_reward(name: str) -> Callable[[Callable[..., RewardFn]], Callable[.
     return wrap
 
 
-def build_reward(spec: RewardSpec) -> tuple[str, RewardFn]:
-    """Resolve a config entry to (component name, function)."""
+# The config entry a built-in reward is being built for (`rewards[0]`), so that one checking a
+# folder it is given names the field the user wrote (`rewards[0].args.path`); see `arg_field`.
+_BUILDING: ContextVar[str | None] = ContextVar("building_reward", default=None)
+
+
+def arg_field(name: str) -> str:
+    """The config field of a built-in reward's arg `name` (`rewards[0].args.path` while build_reward
+    builds `rewards[0]`; `args.path` when the factory is called directly)."""
+    where = _BUILDING.get()
+    return f"{where}.args.{name}" if where else f"args.{name}"
+
+
+def build_reward(spec: RewardSpec, where: str | None = None) -> tuple[str, RewardFn]:
+    """Resolve a config entry to (component name, function). `where`: the entry in the config
+    (`rewards[0]`), for the built-ins' errors (`arg_field`)."""
 
     if ":" in spec.fn:
         fn = load_user_function(spec.fn)
@@ -100,10 +114,13 @@ def build_reward(spec: RewardSpec) -> tuple[str, RewardFn]:
         inspect.signature(factory).bind(**spec.args)
     except TypeError as exc:
         raise ConfigError(f"rewards: {spec.fn}: bad args {spec.args}: {exc}") from None
+    token = _BUILDING.set(where)
     try:
         fn = factory(**spec.args)
     except (ValueError, TypeError) as exc:  # a built-in refusing an argument's value (e.g. regex mode)
         raise ConfigError(f"rewards: {spec.fn}: {exc}") from None
+    finally:
+        _BUILDING.reset(token)
     return spec.name or spec.fn, fn
 
 
@@ -177,15 +194,17 @@ class RewardScorer:
 
     `should_stop()` is polled while calls run (a Ctrl-C: ScoringInterrupted). `warn` receives
     one line per misbehaving reward after each `score()`; with warn=None the lines wait for
-    `take_report()` (the online loop prints them once per step, with the step's counts).
+    `take_report()` (the online loop prints them once per step, with the step's counts). `where`:
+    the config list the specs come from (`rewards`), named in errors as `rewards[i]...`.
     """
 
     def __init__(self, specs: list[RewardSpec], max_workers: int = 8, *, timeout_s: float = 60.0,
                  max_consecutive_timeouts: int | None = 8, on_error: str = "stop",
                  should_stop: Callable[[], bool] | None = None,
                  warn: Callable[[str], None] | None = log.warning,
-                 max_abs_reward: float | None = ScoringConfig.model_fields["max_abs_reward"].default):
-        built = [build_reward(s) for s in specs]
+                 max_abs_reward: float | None = ScoringConfig.model_fields["max_abs_reward"].default,
+                 where: str = "rewards"):
+        built = [build_reward(s, f"{where}[{i}]") for i, s in enumerate(specs)]
         names = [n for n, _ in built]
         dupes = {n for n in names if names.count(n) > 1}
         if dupes:
@@ -464,13 +483,14 @@ def _check_declared_time(built: list[tuple[str, RewardFn]], timeout_s: float) ->
 
 def build_scorer(rewards: list[RewardSpec], scoring: ScoringConfig | None = None, *,
                  should_stop: Callable[[], bool] | None = None,
-                 warn: Callable[[str], None] | None = log.warning) -> RewardScorer:
+                 warn: Callable[[str], None] | None = log.warning, where: str = "rewards") -> RewardScorer:
     """The one way to build a scorer from config (training, evaluation, suites, comparisons,
     data screening): the `rewards:` list under the `scoring:` section's limits.
 
     `should_stop` is polled while calls run (a Ctrl-C); `warn=None` keeps warning lines for
-    `take_report()` (the online loop prints them once per step)."""
+    `take_report()` (the online loop prints them once per step); `where`: the list in the config
+    (`eval.suites[0].rewards`), named in errors."""
     sc = scoring or ScoringConfig()
     return RewardScorer(rewards, sc.max_workers, timeout_s=sc.timeout_s,
                         max_consecutive_timeouts=sc.max_consecutive_timeouts, on_error=sc.on_reward_error,
-                        should_stop=should_stop, warn=warn, max_abs_reward=sc.max_abs_reward)
+                        should_stop=should_stop, warn=warn, max_abs_reward=sc.max_abs_reward, where=where)

@@ -79,6 +79,7 @@ class Episode:
     env_done: bool = False  # the environment ended the episode (not a turn or token limit)
     env_tokens: int = 0  # inserted (loss-masked) observation tokens
     env_final: str | None = None  # the last step's observation when it was not shown (the episode ended there)
+    env_timed_out: bool = False  # a step did not return within agent.env_step_timeout_s (the episode ended there)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ from rlft.errors import ConfigError
 from rlft.models.precision import DTYPES
 from rlft.rollout.contract import Engine, SamplingParams
 from rlft.rollout.hf import HFEngine, generation_stop_ids
-from rlft.rollout.vllm_engine import VLLMEngine
 
 
 def build_engine(policy: Any, seed: int, engine: str = "hf", batch_size: int | None = None,
@@ -27,7 +26,8 @@ def build_engine(policy: Any, seed: int, engine: str = "hf", batch_size: int | N
     if engine == "hf":
         return HFEngine(policy.model, policy.tokenizer, stop_ids, policy.device, seed=seed, batch_size=batch_size,
                         fast_decode=fast_decode, compute_dtype=dtype)
-    # the engine imports vLLM when it is made: a missing vLLM is one RlftError with the install hint
+    from rlft.rollout.vllm_engine import VLLMEngine  # lazy: vLLM is an optional extra, loaded only when chosen
+
     return VLLMEngine(policy, stop_ids, seed, vllm, dtype)
 
 

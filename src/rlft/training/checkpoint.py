@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from rlft.models.template import write_template_record
-from rlft.monitor.rundir import RunDirError, describe_os_error, writing
+from rlft.monitor.rundir import RunDirError, describe_os_error, os_error_of, write_text_atomic, writing
 from rlft.training.distributed import SINGLE, World
 
 log = logging.getLogger(__name__)
@@ -169,15 +169,17 @@ def save_checkpoint(checkpoints: Path, step: int, model: Any, is_lora: bool, tok
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        if not (isinstance(failed.cause, OSError) or out_of_space(failed.cause, free_at_failure)):
+        # the OS error however the writer reported it (safetensors: in its text; torch: as context)
+        cause = os_error_of(failed.cause)
+        if cause is None and not out_of_space(failed.cause, free_at_failure):
             raise failed.cause from None  # not a write problem: keep its traceback
         latest = find_latest(checkpoints)
         kept = f"the last good checkpoint is {latest}, still the newest" if latest else "no earlier checkpoint exists"
         what = f"saving checkpoint {name} ({kept}; the partial save was removed)"
-        if out_of_space(failed.cause, free_at_failure):
+        if out_of_space(cause or failed.cause, free_at_failure):
             raise RunDirError(_no_space_message(failed.path, what, checkpoints, latest, written,
                                                 keep_last)) from None
-        raise RunDirError(describe_os_error(failed.cause, what, failed.path)) from None
+        raise RunDirError(describe_os_error(cause, what, failed.path)) from None
     if world.main:
         fault_point("ckpt-rename", step)
         with writing(f"publishing checkpoint {name}", final):
@@ -347,9 +349,8 @@ def read_best(checkpoints: Path) -> dict[str, Any] | None:
 
 
 def record_best(checkpoints: Path, name: str, metric: str, value: float) -> None:
-    tmp = checkpoints / (BEST_FILE + ".tmp")
-    tmp.write_text(json.dumps({"checkpoint": name, "metric": metric, "value": value}))
-    os.replace(tmp, checkpoints / BEST_FILE)
+    write_text_atomic(checkpoints / BEST_FILE, json.dumps({"checkpoint": name, "metric": metric, "value": value}),
+                      f"recording {name} as the best checkpoint")
 
 
 def find_latest(checkpoints: Path) -> Path | None:

@@ -87,6 +87,22 @@ class World:
         if self.active:
             dist.barrier()
 
+    def agree(self, failure: str | None, what: str) -> str | None:
+        """The end of a phase that can fail on one rank alone (a reward, a tool, an environment, a
+        data row, a bug): one collective in which every rank says ok (None) or why it failed. The
+        same answer on every rank: None when all are ok, else the first failed rank's reason naming
+        that rank, so every rank stops at this phase and none is left waiting for a peer in a
+        collective the peer never reaches (until training.dist_timeout_s). One process: `failure`
+        itself, without a collective."""
+        if not self.active:
+            return failure
+        failed = [(rank, reason) for rank, reason in enumerate(self.gather(failure)) if reason is not None]
+        if not failed:
+            return None
+        rank, reason = failed[0]
+        others = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
+        return f"rank {rank} of {self.size} failed {what}{others}: {reason}"
+
     def share(self, n: int) -> tuple[int, int]:
         """[start, stop) of this rank's contiguous share of n items (the first n % size ranks get
         one more)."""

@@ -115,6 +115,7 @@ class RunState:
                 part.load_state_dict(state["parts"][name])
         ckpt.set_rng_state(state["rng"])
         self.run.truncate_logs(state["step"])
+        self._saved_step = state["step"]  # a save before the next step would write this checkpoint again
         return path, state["step"]
 
     def _load_weights(self, path: Path) -> None:

@@ -24,6 +24,7 @@ import torch
 from rich.markup import escape
 
 from rlft.config import CheckpointConfig, Config, TrainingConfig, config_warnings
+from rlft.data.fingerprint import data_fingerprints
 from rlft.errors import ResumeError, RlftError, TrainingHalted
 from rlft.eval.suites import run_suites
 from rlft.models.compiled import check_compile_available, compiled_forwards
@@ -33,7 +34,7 @@ from rlft.monitor.catalogue import preflight
 from rlft.monitor.console import ProgressDisplay, console
 from rlft.monitor.loggers import LoggerGroup, build_loggers
 from rlft.monitor.monitor import Monitor
-from rlft.monitor.rundir import RunDir, fresh_dir
+from rlft.monitor.rundir import RunDir, RunDirError, folder_atomic, fresh_dir
 from rlft.rewards.calls import ScoringInterrupted
 from rlft.training import checkpoint as ckpt
 from rlft.training.distributed import SINGLE, World, full_state_dict, reshard, shard
@@ -72,18 +73,26 @@ def open_run(config: Config, world: World = SINGLE) -> Iterator[RunDir]:
     run = RunDir(config.output_dir, writer=world.main)  # rank 0 alone writes the run directory
     if world.main:
         latest = ckpt.find_latest(run.checkpoints) if run.config_path.exists() else None
+        prints = data_fingerprints(config)
         if latest is not None:
             diffs = run.config_changes(config)
             if diffs:
                 raise ResumeError(
                     f"{run.root} already holds a run with a different config ({', '.join(diffs[:5])}).\n"
                     f"Fix: continue it with `rlft train --resume {run.root}`, or choose another output_dir")
+            changed_data = run.data_changes(config, prints)
+            if changed_data:
+                raise ResumeError(
+                    f"{'; '.join(changed_data)}. Continuing {run.root} from {latest.name} would train on other rows "
+                    "than its data order and step count were made for.\nFix: put the original file back, or train "
+                    f"on the new data in a new run: output_dir={fresh_dir(run.root)}")
             # said before anything loads: a re-run of a config continues the run in its output_dir
             changed = run.length_changes(config)
             console.print(f"{run.root} already holds this run (newest checkpoint {latest.name}): continuing it"
                           + (f" with {', '.join(changed)}" if changed else "")
                           + f". To train anew instead, set output_dir={fresh_dir(run.root)}", highlight=False)
         run.create(config)
+        run.record_data(prints, resumed=latest is not None)
     world.barrier()  # the other ranks read what rank 0 prepared
     try:
         if world.main:
@@ -103,18 +112,26 @@ def run_precision(config: Config, world: World = SINGLE) -> Precision:
     return precision
 
 
-def evaluation(evaluate: Callable[[], dict[str, float]]) -> tuple[dict[str, float], str | None]:
+def evaluation(evaluate: Callable[[], dict[str, float]],
+               world: World = SINGLE) -> tuple[dict[str, float], str | None]:
     """(metrics, None), or ({}, why it failed): an evaluation's failure must not cost the step it
-    follows (see TrainingSession.fail_evaluation). A Ctrl-C while its rewards run ends it quietly."""
+    follows (see TrainingSession.fail_evaluation). A Ctrl-C while its rewards run ends it quietly.
+    Every rank of `world` calls it and gets the same answer (`World.agree`): an evaluation that
+    failed on one rank alone (a reward there) fails on all, so they stop together instead of the
+    others going on into collectives the failed rank never joins."""
+    metrics: dict[str, float] = {}
+    failed = None
     try:
-        return evaluate(), None
-    except ScoringInterrupted:
-        return {}, None
+        metrics = evaluate()
+    except ScoringInterrupted:  # no metrics and no failure (one process: ranks never cut rewards short)
+        pass
     except RlftError as exc:
-        return {}, str(exc)
+        failed = str(exc)
     except Exception as exc:  # a bug or an unexpected input: keep its traceback for the log
         log.error("the evaluation failed", exc_info=True)
-        return {}, f"{type(exc).__name__}: {exc}"
+        failed = f"{type(exc).__name__}: {exc}"
+    failed = world.agree(failed, "in the evaluation")
+    return ({}, failed) if failed is not None else (metrics, None)
 
 
 class NonFiniteGuard:
@@ -201,6 +218,12 @@ class TrainingSession:
                 self.state.register(name, part)
         self._mirror_stale = False
         self._old_handlers: dict[int, Any] = {}
+        self._exports: list[Callable[[Path], None]] = []
+
+    def export_also(self, write: Callable[[Path], None]) -> None:
+        """`write(folder)` adds to the final export (a PPO critic), inside the folder that becomes
+        final/ only once everything is written; called on every rank (it may be collective)."""
+        self._exports.append(write)
 
     def register(self, name: str, part: Stateful) -> None:
         """Checkpoint `part` under `name` and load it back on resume."""
@@ -303,17 +326,21 @@ class TrainingSession:
 
     def resume(self) -> bool:
         """Load the newest intact checkpoint into the model and every registered part; False on a
-        fresh start."""
+        fresh start. A run whose last attempt failed after its last step (the final export, say)
+        resumes there, and finish() does the rest."""
         found = self.state.resume()
         if found is None:
             return False
         path, self.step = found
-        if self.step >= self.total_steps:
+        last = self.run.read_summary()  # of the last attempt
+        unfinished = last.get("status") == "failed" and last.get("step") == self.step
+        if self.step >= self.total_steps and not unfinished:
             raise TrainingHalted(
                 f"nothing to train: {path} is at step {self.step} and the run has {self.total_steps} steps.\n"
                 "Fix: raise training.max_steps / training.epochs to continue this run, or train anew in another "
                 f"directory: output_dir={fresh_dir(self.run.root)}")
-        self.print(f"resumed from {path} (step {self.step} of {self.total_steps})")
+        self.print(f"resumed from {path} (step {self.step} of {self.total_steps})"
+                   + ("; the last attempt failed after it, finishing the run" if self.step >= self.total_steps else ""))
         if self.display is not None:
             self.display.update(self.step, {})
         return True
@@ -330,10 +357,10 @@ class TrainingSession:
     @contextmanager
     def running(self) -> Iterator[None]:
         """The training loop's span: while it runs, the first SIGINT / SIGTERM asks the loop to
-        stop: it ends after the current step, or at once when it is waiting for rewards (the step is
-        then abandoned), and finish() saves a checkpoint of the last completed step. A second one
-        stops at once, without saving. On exit, an error included, the previous handlers are back
-        (a notebook keeps its Ctrl-C)."""
+        stop: it ends after the current step, or at once when it is waiting for rewards or an agent
+        environment's call (the step is then abandoned), and finish() saves a checkpoint of the last
+        completed step. A second one stops at once, without saving. On exit, an error included, the
+        previous handlers are back (a notebook keeps its Ctrl-C)."""
         self._install_signal_handlers()
         try:
             yield
@@ -353,8 +380,8 @@ class TrainingSession:
                     previous(signum, frame)
                 raise KeyboardInterrupt
             self.stop_signal = name
-            self.print(f"[yellow]{name}: stopping after this step (at once if rewards are still running) and "
-                       "saving a checkpoint; press Ctrl-C again to stop now without saving")
+            self.print(f"[yellow]{name}: stopping after this step (at once if rewards or an environment are still "
+                       "running) and saving a checkpoint; press Ctrl-C again to stop now without saving")
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
@@ -411,7 +438,7 @@ class TrainingSession:
             ran.update(records)
             return metrics
 
-        metrics, failed = evaluation(run)
+        metrics, failed = evaluation(run, self.world)
         if self.world.main:
             for name, records in ran.items():
                 self.log_samples([{"step": self.step, "suite": name, **r} for r in records])
@@ -486,14 +513,25 @@ class TrainingSession:
         return f"{best['checkpoint']} (best {best['metric']} = {best['value']:.4g})"
 
     def _export(self, weights: LoadedModel) -> None:
-        if self.world.main:
-            export_model(weights, self.run.final)
+        """final/ written whole or not at all (a full disk leaves the previous export, if any)."""
+        if not self.world.main:
+            for write in self._exports:  # collectives: every rank takes part; rank 0 writes
+                write(self.run.final)
+            self.world.barrier()
+            return
+        with folder_atomic(self.run.final, "exporting the final model") as folder:
+            export_model(weights, folder)
+            for write in self._exports:
+                write(folder)
         self.world.barrier()
 
     def _no_update_warning(self) -> str:
+        # the health warnings still in force name what made the rewards equal (a tool that always fails, ...)
+        seen = f" The health monitor saw: {', '.join(sorted(self.monitor.active))} (warnings above)." \
+            if self.monitor.active else ""
         return (f"no optimizer step was taken in {self.step} steps: the model in final/ is the starting model. "
                 "In online RL this means every group's rewards were equal (no advantage): check that the "
-                "reward can tell completions apart, or use harder/easier prompts")
+                "reward can tell completions apart, or use harder/easier prompts." + seen)
 
     def close_display(self) -> None:
         if self.display is not None:
@@ -547,9 +585,21 @@ def prepared_run(config: Config, world: World = SINGLE) -> Iterator[RunSetup]:
         setup = RunSetup(config, world, run, run_precision(config, world))
         try:
             yield setup
+        except RunDirError as exc:  # a write failed: summary.json says so, if it can still be written
+            if world.main:
+                _record_failure(run, setup, exc)
+            raise
         finally:
             if setup.opened is not None:
                 setup.opened.loggers.close()
+
+
+def _record_failure(run: RunDir, setup: RunSetup, exc: RunDirError) -> None:
+    step = setup.opened.step if setup.opened is not None else 0
+    try:
+        run.update_summary({"status": "failed", "step": step, "error": str(exc)})
+    except RunDirError:
+        pass  # the disk refuses even that: the error on the console is the record
 
 
 class OptimizerState:

@@ -4,6 +4,8 @@
 starts it (see rlft/cli/launch.py). It gets SIGTERM when the launcher dies (Linux: PR_SET_PDEATHSIG),
 and a SIGINT / SIGTERM, which torchrun passes to every rank, ends it with the shell's status
 (128 + the signal's number) instead of torchrun's traceback: the ranks have said where they saved.
+A rank that fails ends it with that rank's status and one line, not torchrun's report: the ranks
+printed their errors.
 Each rank watches its own parent (`watch_parent`), so a killed torchrun leaves no rank behind.
 No torch import at module level: the ranks import this early, and so do tests' stand-in ranks.
 """
@@ -56,6 +58,7 @@ def watch_parent(grace_s: float, poll_s: float = 1.0) -> None:
 
 def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     launcher = os.environ.pop(LAUNCHER_ENV, None)
@@ -65,6 +68,14 @@ def main(argv: list[str]) -> int:
         torchrun(argv)
     except SignalException as exc:
         return 128 + int(exc.sigval)
+    except ChildFailedError as exc:  # the ranks said why above (an `error:` line, or a bug's traceback)
+        # the rank that ended by itself, not one torchrun stopped after it (SIGTERM; its times are whole seconds)
+        stopped = (-signal.SIGTERM, 128 + signal.SIGTERM)
+        rank, failure = min(exc.failures.items(), key=lambda f: (f[1].exitcode in stopped, f[1].timestamp, f[0]))
+        code = failure.exitcode
+        print(f"rlft: rank {rank} ended with status {code}; the job stopped (the ranks' errors are above)",
+              file=sys.stderr)
+        return code if code > 0 else 128 - code if code < 0 else 1  # -N: killed by signal N
     return 0
 
 

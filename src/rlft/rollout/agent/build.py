@@ -3,7 +3,7 @@ the prompts checked with the tools' descriptions."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from rlft.config import AgentConfig
 from rlft.errors import ConfigError, DataError
@@ -15,16 +15,18 @@ from rlft.rollout.contract import Engine
 
 
 def turn_driver(cfg: AgentConfig, engine: Engine, tokenizer: Any, seed: int = 0,
-                max_prompt_tokens: int | None = None) -> Any:
+                max_prompt_tokens: int | None = None, should_stop: Callable[[], bool] | None = None) -> Any:
     """The multi-turn driver `agent` configures: its tools loaded and checked, its parser chosen, its
-    environment loaded and checked (its episodes seeded from the run's `seed`)."""
+    environment loaded and checked (its episodes seeded from the run's `seed`). `should_stop`: a
+    stop request that ends the wait for an environment call (see TurnDriver)."""
     limits = AgentLimits(max_turns=cfg.max_turns, max_total_tokens=cfg.max_total_tokens,
                          max_tool_output_tokens=cfg.max_tool_output_tokens, tool_timeout_s=cfg.tool_timeout_s,
-                         max_calls_per_turn=cfg.max_calls_per_turn, on_tool_error=cfg.on_tool_error)
+                         max_calls_per_turn=cfg.max_calls_per_turn, on_tool_error=cfg.on_tool_error,
+                         env_step_timeout_s=cfg.env_step_timeout_s)
     environment = None if cfg.environment is None else \
         load_environment(cfg.environment, cfg.environment_args, seed, max_prompt_tokens)
     return TurnDriver(engine, tokenizer, load_tools(cfg.tools), pick_parser(cfg.parser, tokenizer.chat_template),
-                      limits, cfg.check_drift, environment, cfg.tools_prompt, cfg.schedule)
+                      limits, cfg.check_drift, environment, cfg.tools_prompt, cfg.schedule, should_stop)
 
 
 def check_prompts_with_tools(driver: Any, prompts: Sequence[Any], limit: int, budget: int) -> None:
@@ -47,12 +49,12 @@ def check_prompts_with_tools(driver: Any, prompts: Sequence[Any], limit: int, bu
 
 
 def agent_driver(cfg: AgentConfig | None, engine: Any, tokenizer: Any, example_sets: Sequence[Sequence[Any]],
-                 max_prompt_length: int, seed: int) -> Any:
+                 max_prompt_length: int, seed: int, should_stop: Callable[[], bool] | None = None) -> Any:
     """The turn driver the agent section `cfg` configures (None without one; an environment's
     episodes seeded from `seed`), each set of prompts checked with the tools' descriptions."""
     if cfg is None:
         return None
-    driver = turn_driver(cfg, engine, tokenizer, seed, max_prompt_length)
+    driver = turn_driver(cfg, engine, tokenizer, seed, max_prompt_length, should_stop)
     for examples in example_sets:
         check_prompts_with_tools(driver, examples, max_prompt_length, cfg.max_total_tokens)
     return driver

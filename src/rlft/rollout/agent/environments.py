@@ -21,8 +21,12 @@ randomness only from its `seed`; resets of one seed that differ stop the run.
 
 A constructor, `reset` or `step` that raises (or returns what the protocol does not allow) stops
 the run with one message naming the environment, the row and the exception; the online loop saves
-the last completed step first, as for a reward that raises. Calls run one at a time on the
-driver's thread, with no time limit (unlike tools): a step that hangs holds the run.
+the last completed step first, as for a reward that raises. Calls run one at a time, each on a
+thread of its own that the driver waits on the way it waits on rewards (rewards/calls.py): with a
+time limit on `reset` and `step` (agent.env_step_timeout_s; a late call is abandoned, its thread
+left to finish in the background), and a stop request (Ctrl-C) ends the wait at once
+(ScoringInterrupted: the loop abandons the step and saves the last completed one). The constructor
+has no time limit (it may load data the first time) but is interruptible alike.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Any, Callable, Protocol
 
 from rlft.errors import ConfigError, EnvironmentFailed
 from rlft.models.template import Messages
+from rlft.rewards.calls import call_all
 from rlft.rewards.user_code import describe_exception, indent, load_user_function, source_file
 from rlft.rollout.agent.gem_env import gem_factory
 from rlft.rollout.seeds import stream_seed
@@ -63,6 +68,10 @@ class EpisodeRow:
     draw: int = 0
 
 
+# what `EnvironmentSource.guarded` returns for a call that did not return in time
+LATE = object()
+
+
 @dataclass(frozen=True)
 class EnvStep:
     observation: str
@@ -78,13 +87,23 @@ class EnvironmentSource:
         self.ref, self.make, self.run_seed = ref, make, run_seed
         self.user_file, self.max_prompt_tokens = user_file, max_prompt_tokens
 
-    def start(self, messages: Messages, row: EpisodeRow, n: int) -> tuple[Messages, list["EpisodeEnv"]]:
-        """n instances for one prompt's group (one seed), reset: the group's prompt and episodes."""
+    def start(self, messages: Messages, row: EpisodeRow, n: int, timeout_s: float = math.inf,
+              should_stop: Callable[[], bool] | None = None) -> tuple[Messages, list["EpisodeEnv"]]:
+        """n instances for one prompt's group (one seed), reset: the group's prompt and episodes.
+        Each reset gets `timeout_s` (one that is late stops the run: its episodes have no prompt)."""
         seed = stream_seed(self.run_seed, "environment", row.draw)
-        envs = [EpisodeEnv(self, self.guarded(row, "the constructor", lambda: self.make(seed)), row) for _ in range(n)]
+        envs = [EpisodeEnv(self, self.guarded(row, "the constructor", lambda: self.make(seed), should_stop=should_stop),
+                           row) for _ in range(n)]
         kwargs = {**row.fields, "messages": messages}
         # each reset gets its own copy: one that edits the row in place cannot change what the next one sees
-        firsts = [self.guarded(row, "reset", lambda e=e: e.env.reset(**copy.deepcopy(kwargs))) for e in envs]
+        firsts = []
+        for e in envs:
+            first = self.guarded(row, "reset", lambda e=e: e.env.reset(**copy.deepcopy(kwargs)), timeout_s, should_stop)
+            if first is LATE:
+                raise self.failed(row, f"reset did not return within {timeout_s:g} s (agent.env_step_timeout_s)",
+                                  "make reset return sooner (run it by hand on this row to see where it waits), or "
+                                  "raise agent.env_step_timeout_s")
+            firsts.append(first)
         for first in firsts:
             if first is not None and not isinstance(first, str):
                 raise self.failed(row, f"reset returned {_show(first)}; it returns the first observation (str) or "
@@ -104,11 +123,18 @@ class EnvironmentSource:
                                    f"data.max_prompt_length ({self.max_prompt_tokens})",
                               "raise data.max_prompt_length, or make reset's observation shorter")
 
-    def guarded(self, row: EpisodeRow, what: str, fn: Callable[[], Any]) -> Any:
-        try:
-            return fn()
-        except Exception as exc:  # noqa: BLE001  (the environment's own code: named, with the row)
-            raise self.failed(row, f"{what} raised:\n{indent(describe_exception(exc, self.user_file))}") from None
+    def guarded(self, row: EpisodeRow, what: str, fn: Callable[[], Any], timeout_s: float = math.inf,
+                should_stop: Callable[[], bool] | None = None) -> Any:
+        """fn()'s value, or LATE when it did not return within `timeout_s` (abandoned on its
+        thread). Raises EnvironmentFailed when it raised, ScoringInterrupted when `should_stop()`
+        turned true while it ran."""
+        [outcome] = call_all([fn], 1, timeout_s, should_stop)
+        if outcome.timed_out:
+            return LATE
+        if outcome.error is not None:  # the environment's own code: named, with the row
+            detail = indent(describe_exception(outcome.error, self.user_file))
+            raise self.failed(row, f"{what} raised:\n{detail}") from None
+        return outcome.value
 
     def failed(self, row: EpisodeRow, problem: str, fix: str = "") -> EnvironmentFailed:
         fix = fix or "correct the environment for this row (run its reset/step by hand on it)"
@@ -121,8 +147,13 @@ class EpisodeEnv:
     def __init__(self, source: EnvironmentSource, env: Any, row: EpisodeRow):
         self.source, self.env, self.row = source, env, row
 
-    def step(self, text: str) -> EnvStep:
-        out = self.source.guarded(self.row, "step", lambda: self.env.step(text))
+    def step(self, text: str, timeout_s: float = math.inf,
+             should_stop: Callable[[], bool] | None = None) -> EnvStep | None:
+        """The checked step, or None when it did not return within `timeout_s` (the instance is
+        then still inside it: it takes no further step)."""
+        out = self.source.guarded(self.row, "step", lambda: self.env.step(text), timeout_s, should_stop)
+        if out is LATE:
+            return None
         if not isinstance(out, (tuple, list)) or len(out) != 3:
             raise self.source.failed(self.row, f"step returned {_show(out)}; it returns (observation: str, reward: "
                                                "float, done: bool)")
@@ -178,18 +209,20 @@ def env_counts(records: list[Any]) -> dict[str, float]:
     return {"env/played": float(len(played)), "env/return_sum": float(sum(sum(r.env_rewards) for r in played)),
             "env/steps": float(sum(len(r.env_rewards) for r in played)),
             "env/done": float(sum(r.env_done for r in played)),
+            "env/timed_out": float(sum(r.env_timed_out for r in played)),
             "env/inserted_tokens": float(sum(r.env_tokens for r in played))}
 
 
 def env_metrics(counts: dict[str, float]) -> dict[str, float]:
     """A step's environment metrics from `env_counts` (summed over ranks): the mean return (sum of
-    step rewards), steps per episode, and how many ended with `done` vs were cut (turn or token limit)."""
+    step rewards), steps per episode, how many ended with `done` vs were cut (turn or token limit, or a
+    step past agent.env_step_timeout_s), and how many of them the time limit cut."""
     n = counts.get("env/played", 0.0)
     if not n:
         return {}
     done = counts["env/done"]
     return {"env/return_mean": counts["env/return_sum"] / n, "env/steps_mean": counts["env/steps"] / n,
-            "env/episodes_done": done, "env/episodes_cut": n - done,
+            "env/episodes_done": done, "env/episodes_cut": n - done, "env/step_timeouts": counts["env/timed_out"],
             "env/inserted_tokens_mean": counts["env/inserted_tokens"] / n}
 
 

@@ -4,7 +4,8 @@
 
 With an environment (rollout/agent/environments.py), a turn without tool calls is its action instead:
 the environment steps on the turn's text, its reward is recorded, and its observation is inserted
-as a `user` message the same way, until it is done.
+as a `user` message the same way, until it is done. An environment call has a time limit
+(agent.env_step_timeout_s): a late step ends its episode there, a late reset stops the run.
 
 Token-in, token-out: the sequence trained on is the prompt, then each turn's sampled ids as the
 engine returned them, then each observation's ids, encoded once. History is never decoded and
@@ -39,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from rlft.errors import ConfigError
 from rlft.models.template import Messages, encode_text, end_of_turn_ids
@@ -84,6 +85,7 @@ class AgentLimits:
     tool_timeout_s: float = 10.0
     max_calls_per_turn: int = 4
     on_tool_error: str = "observe"  # 'end': a turn with a failed call ends the episode (agent.on_tool_error)
+    env_step_timeout_s: float = 60.0  # per environment reset / step (agent.env_step_timeout_s)
 
 
 class ObservationEncoder:
@@ -173,16 +175,17 @@ class TurnDriver:
     grouped by prompt like `Engine.generate`, each one whole episode. `schedule`: 'rounds' (every
     live episode's next turn in one engine call, after the slowest call of the round) or
     'continuous' (each turn joins the engine's batch when its episode is ready; an engine without
-    a continuous batch keeps rounds)."""
+    a continuous batch keeps rounds). `should_stop`: polled while an environment call runs (a
+    Ctrl-C: ScoringInterrupted, as while rewards run)."""
 
     STEPS_PER_POLL = 8  # continuous: decode steps between looks at the running tool calls
 
     def __init__(self, engine: Engine, tokenizer: Any, tools: list[Tool], parser: Parser,
                  limits: AgentLimits = AgentLimits(), check_drift: bool = True,
                  environment: EnvironmentSource | None = None, tools_prompt: str | None = None,
-                 schedule: str = "rounds"):
+                 schedule: str = "rounds", should_stop: Callable[[], bool] | None = None):
         self.engine, self.tokenizer, self.parser, self.limits = engine, tokenizer, parser, limits
-        self.schedule = schedule
+        self.schedule, self.should_stop = schedule, should_stop
         self.check_drift, self.environment = check_drift, environment
         self.tools = {t.name: t for t in tools}
         self.encoder = ObservationEncoder(tokenizer, [t.schema for t in tools], parser.syntax, tools_prompt)
@@ -296,7 +299,8 @@ class TurnDriver:
         if self.environment is None:
             return list(prompts), [[None] * n for _ in prompts]
         rows = rows or self._default_rows(len(prompts), first_prompt)
-        started = [self.environment.start(m, row, n) for m, row in zip(prompts, rows)]
+        started = [self.environment.start(m, row, n, self.limits.env_step_timeout_s, self.should_stop)
+                   for m, row in zip(prompts, rows)]
         return [m for m, _ in started], [envs for _, envs in started]
 
     @staticmethod
@@ -306,8 +310,11 @@ class TurnDriver:
     def _step_environment(self, ep: _Live, turn: int) -> bool:
         """Step the episode's environment on its turn's text; whether it goes on, with the
         observation inserted as a user message."""
-        result = ep.env.step(ep.last_text)
+        result = ep.env.step(ep.last_text, self.limits.env_step_timeout_s, self.should_stop)
         record = ep.record
+        if result is None:  # late: ends as a late tool call under on_tool_error=end ('stop', nothing inserted)
+            record.env_timed_out = True
+            return False
         record.env_rewards.append(result.reward)
         # the last allowed turn's action still earns its reward; its observation has no reader
         if result.done or turn >= self.limits.max_turns:

@@ -121,7 +121,7 @@ def _train(config: Config, objective: OfflineObjective, session: TrainingSession
                     if evals and session.eval_due():
                         session.sync_mirror()  # generation evals sample from the whole weights
                         with session.autocast():
-                            eval_metrics, failed = evaluation(lambda: objective.evaluate(policy, evals))
+                            eval_metrics, failed = evaluation(lambda: objective.evaluate(policy, evals), session.world)
                         metrics.update(eval_metrics)
                         model.train()
                     if suites and failed is None:
@@ -137,7 +137,7 @@ def _train(config: Config, objective: OfflineObjective, session: TrainingSession
             if evals and not session.stopping and session.step < total:  # ended early (skipped steps)
                 session.sync_mirror()
                 with session.autocast():
-                    eval_metrics, failed = evaluation(lambda: objective.evaluate(policy, evals))
+                    eval_metrics, failed = evaluation(lambda: objective.evaluate(policy, evals), session.world)
                 session.log_eval(eval_metrics)
                 if failed is not None:
                     session.fail_evaluation(failed)

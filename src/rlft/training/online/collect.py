@@ -8,6 +8,7 @@ step's reward metrics then describe the kept groups (what is trained on);
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -16,13 +17,15 @@ import torch
 from rlft.algorithms import zero_variance_groups
 from rlft.data.order import PromptSampler
 from rlft.data.prompts import PromptExample
-from rlft.errors import EnvironmentFailed, RankStopped, RewardError
+from rlft.errors import RankStopped, RlftError
 from rlft.monitor.stats import world_sums
 from rlft.rewards.scoring import RewardScorer, Scores, score_completions
 from rlft.rollout.agent.environments import EpisodeRow
 from rlft.rollout.agent.turns import TurnDriver, episode_metrics
 from rlft.rollout.contract import Completion, Engine, SamplingParams
 from rlft.training.distributed import SINGLE, World
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -79,10 +82,10 @@ def collect_rollout(engine: Engine, sampler: PromptSampler, prompts: list[Prompt
             start = time.perf_counter()
             scores = score_completions(scorer, examples, completions, params.max_new_tokens)
             t_score += time.perf_counter() - start
-        except (RewardError, EnvironmentFailed) as exc:
+        except Exception as exc:  # noqa: BLE001  (on one rank alone it must stop every rank: the vote below)
             failed = exc
         if dynamic_sampling:  # its rounds run collectives: the ranks vote before the next one
-            failed = first_failure(world, failed, "its batch")
+            failed = first_failure(world, failed, f"sampling or scoring its share of round {rounds}")
         if failed is not None:
             raise failed
         sampled += [t for t in scores.total if t is not None]
@@ -111,18 +114,20 @@ def collect_rollout(engine: Engine, sampler: PromptSampler, prompts: list[Prompt
 
 
 def first_failure(world: World, own: BaseException | None, what: str) -> BaseException | None:
-    """This rank's failure, or another rank's as RankStopped (a collective every rank calls: they
-    all stop at the same batch, so their later collectives, the checkpoint's among them, stay
-    paired; a rank that raised alone would wait for the others in the next one)."""
+    """Any rank's failure of this phase as the same RankStopped on every rank (`World.agree`, a
+    collective every rank calls: they all stop at the same batch, so their later collectives, the
+    checkpoint's among them, stay paired; a rank that raised alone would leave the others waiting
+    in the next one). One process: its own error, as it was raised."""
     if not world.active:
         return own
-    reasons = world.gather(None if own is None else f"{type(own).__name__}: {own}")
-    if own is not None:
-        return own
-    for rank, reason in enumerate(reasons):
-        if reason is not None:
-            return RankStopped(f"rank {rank} stopped on {what} ({reason})")
-    return None
+    reason = None
+    if isinstance(own, RlftError):  # its message names the place and the fix
+        reason = str(own)
+    elif own is not None:  # a bug: the other ranks get its last line, this rank's log its traceback
+        log.error("rank %d failed %s", world.rank, what, exc_info=own)
+        reason = f"{type(own).__name__}: {own} (the traceback is in rank {world.rank}'s log)"
+    agreed = world.agree(reason, what)
+    return None if agreed is None else RankStopped(agreed)
 
 
 def reduce_rollout(rollout: Rollout, world: World, episodes: bool) -> None:

@@ -21,6 +21,8 @@ from torch import Tensor, nn
 
 from rlft.algorithms import ADVANTAGE_ESTIMATORS, aggregate, clipped_value_loss, whiten
 from rlft.config import Config, CriticConfig, LoraConfig
+from rlft.errors import RlftError
+from rlft.models.folder_checks import check_model_folder, check_value_model_weights
 from rlft.models.forward import completion_logprobs, logits_run, position_ids_for, shared_layout
 from rlft.models.hub import hub_source
 from rlft.models.loading import apply_lora, resolve_dtype
@@ -115,11 +117,19 @@ class SeparateCritic:
 
         c, m = config.critic, config.model
 
-        path = hub_source(c.path or m.path, None if c.path else m.revision, "critic.path" if c.path else "model.path")
-        model_config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=m.trust_remote_code)
-        model_config.classifier_dropout = 0.0  # values must not be noisy
-        model = AutoModelForTokenClassification.from_pretrained(
-            path, config=model_config, dtype=resolve_dtype(m.dtype, device), trust_remote_code=m.trust_remote_code)
+        given, field = (c.path, "critic.path") if c.path else (m.path, "model.path")
+        check_model_folder(given, field)  # a local path that is not there: "no such folder", never a hub-id error
+        path = hub_source(given, None if c.path else m.revision, field)
+        try:
+            model_config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=m.trust_remote_code)
+            model_config.classifier_dropout = 0.0  # values must not be noisy
+            model, info = AutoModelForTokenClassification.from_pretrained(
+                path, config=model_config, dtype=resolve_dtype(m.dtype, device), trust_remote_code=m.trust_remote_code,
+                output_loading_info=True)
+        except (OSError, ValueError) as exc:  # a config or weights transformers cannot read as a value model
+            raise RlftError(f"{field} {given!r}: cannot load it as the critic (a one-logit token classifier): "
+                            f"{exc}\nFix: point {field} at a model folder of the policy's family") from None
+        check_value_model_weights(model, info, given, field)
         model.config.pad_token_id = pad_token_id
         if m.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -36,7 +36,7 @@ def load_teacher(config: Config, student_tokenizer: Any, dtype: torch.dtype | No
     assert config.teacher is not None
     cfg = config.model.model_copy(update={"path": config.teacher.path, "tokenizer_path": None,
                                           "chat_template": None, "gradient_checkpointing": False})
-    loaded = load_policy(cfg, LoraConfig(), dtype)
+    loaded = load_policy(cfg, LoraConfig(), dtype, field="teacher.path")
     check_same_vocabulary(student_tokenizer, loaded.tokenizer, config.model.path, config.teacher.path)
     return Teacher(loaded)
 

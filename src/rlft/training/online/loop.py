@@ -121,7 +121,8 @@ def build_online(config: Config, session: TrainingSession, sample_dtype: torch.d
     # each rank runs its share's episodes (collect_rollout); evaluations run theirs on the loop's
     # thread, so on its engine (`driver.run(..., engine=)`), with the same driver
     driver = agent_driver(config.agent, sample_engine, policy.tokenizer,
-                          [prompts, evals, *(p.examples for p in suites)], d.max_prompt_length, config.seed)
+                          [prompts, evals, *(p.examples for p in suites)], d.max_prompt_length, config.seed,
+                          _stop_request(config, session))
     kl_ctl = make_kl_controller(a.kl_coef, a.kl_target, a.kl_adapt_factor, a.kl_controller, a.kl_horizon)
     sampler = PromptSampler(len(train_rows), config.seed, d.shuffle, order=train_rows.order)
     update_gen = torch.Generator().manual_seed(config.seed)
@@ -129,6 +130,8 @@ def build_online(config: Config, session: TrainingSession, sample_dtype: torch.d
                                                                           config.rollout.prompts_per_step)
     settings, params = UpdateSettings.from_config(config), sampling_params(config.rollout)
     critic = build_critic(config, session, settings, total) if a.advantage == "gae" else None
+    if critic is not None:  # final/critic/, written with (and as whole as) the policy's export
+        session.export_also(lambda final: critic.export(final / "critic"))
     maker = RolloutMaker(sample_engine, sampler, prompts, scorer, params, config.rollout.prompts_per_step,
                          a.dynamic_sampling, a.dynamic_sampling_max_rounds, world, driver)
     rollouts, eval_scorer = _rollout_source(k, maker, policy.unsharded().model, sampler_model, session.sync_mirror)
@@ -142,12 +145,16 @@ def build_online(config: Config, session: TrainingSession, sample_dtype: torch.d
 
 
 def _scorer(config: Config, session: TrainingSession) -> RewardScorer:
-    sc = config.scoring
-    # a Ctrl-C may cut scoring short in one process; ranks stop together at a step's end instead,
-    # and a sampler thread always finishes its batch (a checkpoint saves it)
-    stop_early = not (session.world.active or config.rollout.async_steps)
-    return build_scorer(config.rewards, sc, should_stop=(lambda: session.stop_signal is not None) if stop_early
-                        else None, warn=None)
+    return build_scorer(config.rewards, config.scoring, should_stop=_stop_request(config, session), warn=None)
+
+
+def _stop_request(config: Config, session: TrainingSession) -> Any:
+    """What rewards and environment calls poll while the loop waits on them: a Ctrl-C may cut the
+    wait short in one process (ScoringInterrupted: the step is abandoned); ranks stop together at a
+    step's end instead, and a sampler thread always finishes its batch (a checkpoint saves it)."""
+    if session.world.active or config.rollout.async_steps:
+        return None
+    return lambda: session.stop_signal is not None
 
 
 def _rollout_source(k: int, maker: RolloutMaker, trainer_model: Any, sampler_model: Any,
@@ -207,8 +214,8 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
                 start = time.perf_counter()
                 try:
                     rollout = rollouts.take()
-                except ScoringInterrupted:  # Ctrl-C while rewards ran: finish() saves the last completed step
-                    rollouts.restore()
+                except ScoringInterrupted:  # Ctrl-C while rewards or an environment ran: finish() saves
+                    rollouts.restore()  # the last completed step
                     break
                 except (RewardError, EnvironmentFailed, SamplerFailed, RankStopped) as exc:
                     _halt(session, rollouts, str(exc))
@@ -247,10 +254,7 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
                     session.save_checkpoint()
         train_summary = {f"train/{k}": v for k, v in last.items() if k in ("reward/mean", "kl", "entropy")}
         session.close_display()
-        summary = session.finish({**train_summary, **eval_metrics})
-        if critic is not None and summary["status"] == "completed":
-            critic.export(session.run.final / "critic")
-        return summary
+        return session.finish({**train_summary, **eval_metrics})
     finally:
         session.close_display()
         rollouts.close(wait=sys.exc_info()[0] is None)  # the sampler thread is done with its engine
@@ -421,7 +425,7 @@ def _evaluate(session: TrainingSession, engine: Any, evals: list[PromptExample],
     they did. A Ctrl-C during the eval's scoring ends it without metrics (the loop then stops, the
     step is kept)."""
     metrics, failed = evaluation(lambda: evaluate_prompts(engine, evals, config.eval, scorer, seed=config.seed,
-                                                          driver=driver).metrics)
+                                                          driver=driver).metrics, session.world)
     if failed is None:
         _scoring_report(session, scorer.take_report(), prefix="eval: ")
     return metrics, failed

@@ -149,10 +149,10 @@ class SyncRollouts:
         failed: BaseException | None = None
         try:
             rollout = self.maker.make(self.consumed)
-        except (RewardError, EnvironmentFailed) as exc:
+        except Exception as exc:  # noqa: BLE001  (on one rank alone it must stop every rank: the vote below)
             failed = exc
         if not self.maker.dynamic_sampling:  # (its rounds voted already, each before the next one's collectives)
-            failed = first_failure(self.maker.world, failed, "its batch")
+            failed = first_failure(self.maker.world, failed, "sampling or scoring its share of the batch")
         if failed is not None:  # every rank stops at this step (the loop then saves, together)
             raise failed
         self.maker.reduce(rollout)
@@ -268,7 +268,7 @@ class AsyncRollouts:
                 failed = self._failure_error()
             if failed is None:
                 self._taken = self._ready.pop(b)
-        failed = first_failure(self.maker.world, failed, "its sampler's error")
+        failed = first_failure(self.maker.world, failed, "in its rollout sampler")
         if failed is not None:  # every rank stops at this batch (the loop then saves, together)
             raise failed
         rollout = self._taken
