@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -252,3 +254,24 @@ def no_hub(monkeypatch):
     hub.hub_unreachable.cache_clear()
     yield endpoint
     hub.hub_unreachable.cache_clear()
+
+
+def interrupt_when_hung(command: list[str], marker: Path, env: dict[str, str], what: str) -> tuple[str, float, int]:
+    """Start `command`, send one SIGINT once `marker` exists (the run is then inside a hung call of
+    `what`), and return (its output, seconds from the signal to its end, its exit code). A failed test leaves no
+    process behind."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, f"the {what} never started hanging"
+            time.sleep(0.05)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+        return output, time.monotonic() - sent, proc.returncode
+    finally:
+        if proc.poll() is None:  # a failed test must not leave a hung trainer behind
+            proc.kill()
+            proc.wait()

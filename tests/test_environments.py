@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ScriptedEngine, assert_clean_user_error, call_text, run_main, write_jsonl
+from conftest import (ScriptedEngine, assert_clean_user_error, call_text, interrupt_when_hung, run_main,
+                      write_jsonl)
 from rlft.errors import ConfigError, EnvironmentFailed
 from rlft.rollout.batch import RolloutBatch
 from rlft.rollout.contract import SamplingParams
@@ -551,25 +550,13 @@ def test_one_ctrl_c_during_a_hung_environment_step_stops_within_seconds_with_a_c
     marker = tmp_path / "hanging"
     env = {**os.environ, "RLFT_TEST_MARKER": str(marker), "RLFT_TEST_RELEASE": str(tmp_path / "release"),
            "COLUMNS": "200"}
-    proc = subprocess.Popen([RLFT, "train", str(cfg_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env)
     try:
-        deadline = time.monotonic() + 120
-        while not marker.exists():
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "the environment never started hanging"
-            time.sleep(0.05)
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        output, _ = proc.communicate(timeout=60)
-        took = time.monotonic() - sent
+        output, took, returncode = interrupt_when_hung([RLFT, "train", str(cfg_path)], marker, env,
+                                                       "environment")
     finally:
-        if proc.poll() is None:  # a failed test must not leave a hung trainer behind
-            proc.kill()
-            proc.wait()
         (tmp_path / "release").touch()
     assert took < 10, (took, output)  # a checkpoint of the tiny model is written in this time
-    assert proc.returncode == 130 and "Traceback" not in output, output
+    assert returncode == 130 and "Traceback" not in output, output
     assert "second SIGINT" not in output and f"resume with: rlft train --resume {run}" in output
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["step"] == 1

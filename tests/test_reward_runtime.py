@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import interrupt_when_hung
 from rlft.api import train
 from rlft.errors import TrainingHalted
 from rlft.models.tiny import build_tiny_model
@@ -92,24 +91,10 @@ def test_one_ctrl_c_stops_a_hung_reward_within_seconds_with_a_checkpoint(setup):
     cfg_path = setup / "sigint.yaml"
     cfg_path.write_text(yaml.safe_dump(_config(setup, "sigint", "hang_in_step_2", scoring={"timeout_s": 600})))
     env = {**os.environ, "PYTHONPATH": SRC, "RLFT_TEST_MARKER": str(marker), "COLUMNS": "200"}
-    proc = subprocess.Popen([sys.executable, "-m", "rlft.cli.app", "train", str(cfg_path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        deadline = time.monotonic() + 120
-        while not marker.exists():
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "the reward never started hanging"
-            time.sleep(0.05)
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        output, _ = proc.communicate(timeout=60)
-        took = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:  # a failed test must not leave a hung trainer behind
-            proc.kill()
-            proc.wait()
+    command = [sys.executable, "-m", "rlft.cli.app", "train", str(cfg_path)]
+    output, took, returncode = interrupt_when_hung(command, marker, env, "reward")
     assert took < 10, (took, output)  # a checkpoint of the tiny model is written in this time
-    assert proc.returncode == 130, output
+    assert returncode == 130, output
     assert "Traceback" not in output
     assert f"resume with: rlft train --resume {run}" in output
     summary = json.loads((run / "summary.json").read_text())
