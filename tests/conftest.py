@@ -275,3 +275,52 @@ def interrupt_when_hung(command: list[str], marker: Path, env: dict[str, str], w
         if proc.poll() is None:  # a failed test must not leave a hung trainer behind
             proc.kill()
             proc.wait()
+
+
+# -- processes (from /proc) and shell lines, for tests that start servers and launchers -------------
+
+def process_table() -> dict[int, tuple[int, int]]:
+    """Every live process (zombies left out): pid -> (parent pid, process group)."""
+    out = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if fields and fields[0] not in ("Z", "X"):
+            out[int(entry.name)] = (int(fields[1]), int(fields[2]))
+    return out
+
+
+def children_of(pid: int) -> list[int]:
+    return [p for p, (parent, _) in process_table().items() if parent == pid]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (children, their children...)."""
+    table = process_table()
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        kids = [p for p, (pp, _) in table.items() if pp == parent]
+        out += kids
+        todo += kids
+    return out
+
+
+def alive(pid: int) -> bool:
+    return pid in process_table()
+
+
+def command_lines(body: str) -> list[str]:
+    """A shell block's commands: one a line (a trailing backslash continues it), blanks and comments skipped."""
+    out, pending = [], ""
+    for raw in body.splitlines():
+        line = pending + raw.strip()
+        if line.endswith("\\"):
+            pending = line[:-1] + " "
+            continue
+        pending = ""
+        if line and not line.startswith("#"):
+            out.append(line)
+    return out

@@ -17,7 +17,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import DIGITS_REWARD, assert_clean_user_error, run_main
+from conftest import DIGITS_REWARD, assert_clean_user_error, children_of, descendants, run_main
 from rlft.demo.arithmetic import preference_rows, split_problems
 from rlft.models.tiny import build_tiny_model
 
@@ -526,33 +526,6 @@ def test_a_failed_rank_ends_torchrun_with_its_status_and_one_line(monkeypatch, c
     monkeypatch.setattr("torch.distributed.run.main", torchrun)
     assert wrapper.main(["rlft.py"]) == 2
     assert capsys.readouterr().err == "rlft: rank 1 ended with status 2; the job stopped (the ranks' errors are above)\n"
-
-
-def parents() -> dict[int, int]:
-    """Every process's parent, from /proc."""
-    out = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            out[int(entry.name)] = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
-        except (OSError, ValueError):
-            continue
-    return out
-
-
-def children_of(pid: int) -> list[int]:
-    return [p for p, parent in parents().items() if parent == pid]
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (children, their children...)."""
-    tree = parents()
-    out, todo = [], [pid]
-    while todo:
-        pid = todo.pop()
-        kids = [p for p, parent in tree.items() if parent == pid]
-        out += kids
-        todo += kids
-    return out
 
 
 def alive(pids: list[int]) -> list[int]:

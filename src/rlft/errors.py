@@ -45,3 +45,8 @@ class EnvironmentFailed(RlftError):
 class RankStopped(RlftError):
     """Another rank of a distributed run stopped this step on an error (named in the message);
     this rank stops at the same step, so their collectives stay paired."""
+
+
+class ServerError(RlftError):
+    """A rollout server (`rollout.servers`) is unreachable, refused the key, serves another model,
+    or failed mid-run with no other server left; the message names the server and the fix."""

@@ -49,7 +49,7 @@ def train(
 
 def _launch_torchrun(nproc: int, config: Optional[Path], overrides: list[str], resume: Optional[Path]) -> None:
     """`rlft train --nproc N ARGS` -> `torchrun --nproc-per-node N -m rlft train ARGS` (one node;
-    several nodes: call torchrun yourself, see the README), after checking the run once
+    several nodes: call torchrun yourself, see docs/guides/scaling.md#several-machines), after checking the run once
     (rlft/cli/launch.py). Exits with torchrun's status."""
     from rlft.cli.launch import check_launch, launch_config, run_torchrun
 
@@ -361,11 +361,13 @@ from rlft.cli.data import register as register_data_commands  # noqa: E402  (lig
 from rlft.cli.monitor import register as register_monitor_commands  # noqa: E402
 from rlft.cli.plan import register as register_plan_command  # noqa: E402
 from rlft.cli.sandbox import app as sandbox_app  # noqa: E402  (light: imports only the sandbox)
+from rlft.cli.serve import register as register_serve_command  # noqa: E402
 
 app.add_typer(sandbox_app, name="sandbox", help="Run a program against tests in the code-reward sandbox.")
 register_monitor_commands(app)
 register_plan_command(app)  # rlft plan CONFIG [--device NAME | --memory-gb N] [--world-size N]
 register_data_commands(app)  # rlft data screen | pairs | agreement
+register_serve_command(app)  # rlft serve MODEL_OR_RUN [--port P] [--api-key KEY] [--tensor-parallel-size N]
 
 
 def main() -> None:

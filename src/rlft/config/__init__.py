@@ -27,7 +27,7 @@ from rlft.config.load import (_section_type, apply_override, dump_config, load_c
 from rlft.config.model import LoraConfig, ModelConfig, TeacherConfig
 from rlft.config.monitor import LoggerSettings, LoggingConfig, MonitorConfig
 from rlft.config.rewards import RewardSpec, ScoringConfig
-from rlft.config.rollout import AgentConfig, RolloutConfig, VllmSettings, check_vllm_sampling
+from rlft.config.rollout import AgentConfig, RolloutConfig, ServerSettings, VllmSettings, check_vllm_sampling
 from rlft.config.run import Config, config_warnings
 from rlft.config.section import Section, check_device
 from rlft.config.training import CheckpointConfig, TrainingConfig
@@ -36,6 +36,7 @@ __all__ = ["_BASE_PRESET", "METHOD_LEARNING_RATES", "OFFLINE_METHODS", "ONLINE_M
            "AlgorithmConfig", "CheckpointConfig", "Config", "CriticConfig", "DataConfig", "DpoConfig", "EvalConfig",
            "EvalSuite", "LoggerSettings", "LoggingConfig", "LoraConfig", "Method", "MixSource", "ModelConfig",
            "MonitorConfig", "RewardModelConfig", "RewardSpec", "RolloutConfig", "ScoringConfig", "Section",
-           "SuiteSampling", "TeacherConfig", "TrainingConfig", "VllmSettings", "_section_type", "apply_override",
+           "ServerSettings", "SuiteSampling", "TeacherConfig", "TrainingConfig", "VllmSettings", "_section_type",
+           "apply_override",
            "check_device", "check_vllm_sampling", "config_warnings", "dump_config", "load_config", "load_yaml",
            "validate_config", "validate_flags"]

@@ -11,6 +11,11 @@ from rlft.config.section import Section, _local, check_device
 
 
 class VllmSettings(Section):
+    """The vLLM engine, used when `rollout.engine` is vllm (and by `rlft eval --engine vllm` of a run): its
+    dtype, its memory (KV cache, share of the GPU, sleeping while the trainer updates), CUDA graphs, tensor
+    parallelism, whether it runs in the trainer's process, and how LoRA weights reach it. The hf engine
+    ignores it. See guides/scaling.md#vllm-rollouts."""
+
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="Engine weight dtype; 'auto': the run's rollout dtype (bf16 under bf16-mixed, "
                             "else the trainer's weights').")
@@ -32,7 +37,45 @@ class VllmSettings(Section):
                               "as a new LoRA request (vLLM's LoRA kernels; a cheaper push for large models).")
 
 
+class ServerSettings(Section):
+    """Rollout servers (`rollout.servers`): `rlft serve` processes that sample for the run on their own
+    devices or machines, and receive the trainer's weights after every update. How the run reaches them
+    (the key's environment variable, timeouts, retries), where the weight broadcast meets them, and how a
+    LoRA policy's weights travel. See guides/scaling.md#rollout-servers."""
+
+    api_key_env: str = Field(
+        "RLFT_SERVER_API_KEY", min_length=1,
+        description="Environment variable holding the servers' API key (the key itself is never written to "
+                    "the run directory or a log); unset: no key is sent.")
+    timeout_s: float = Field(600.0, gt=0, description="Longest wait for one request or weight round.")
+    max_retries: int = Field(
+        2, ge=0, description="A request whose server fails moves to another server at most this many times; a "
+                             "failed server leaves the rotation, and with none left the run stops with a checkpoint.")
+    max_concurrent_requests: int = Field(
+        64, ge=1, description="Requests in flight across the servers (one per prompt group).")
+    sync_address: str = Field(
+        "auto", description="This machine's address the servers' workers connect to for the weight broadcast; "
+                            "auto: the address on the route to each server.")
+    lora_sync: Literal["merged", "adapter"] = Field(
+        "adapter", description="LoRA: send the adapter (saved under adapter_dir, loaded by vLLM at run time; the "
+                               "servers must read that path) or the merged weights (over the weight transfer).")
+    adapter_dir: str | None = Field(
+        None, description="Where adapter versions are saved for the servers (a shared path across machines); "
+                          "None: the run's server-adapters/ folder.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="For rlft plan: the devices each server splits the model over (what rlft serve "
+                             "--tensor-parallel-size was given); the run itself reads nothing from it.")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="For rlft plan: the share of each server device vLLM takes (rlft serve "
+                                     "--gpu-memory-utilization).")
+
+
 class RolloutConfig(Section):
+    """How the online methods sample completions: the engine (hf or vllm), prompts per step and completions
+    per prompt (the group), temperature, top-p / top-k, completion length and stop strings, and asynchronous
+    sampling while the trainer trains (`async_steps`). Offline methods do not sample and ignore it. See
+    guides/methods/index.md, and guides/async.md for `async_steps`."""
+
     engine: Literal["hf", "vllm"] = Field("hf", description="Generation engine for rollouts.")
     group_size: int = Field(8, description="Completions sampled per prompt (G); at least 2.")
     prompts_per_step: int = Field(4, ge=1, description="Prompts per rollout step.")
@@ -49,6 +92,10 @@ class RolloutConfig(Section):
     fast_decode: bool = Field(
         True, description="hf engine: lean decode step for Llama/Qwen2/Mistral (falls back to the model's forward).")
     vllm: VllmSettings = Field(default_factory=VllmSettings, description="rollout.engine=vllm settings.")
+    servers: list[str] = Field(
+        default_factory=list, description="URLs of rlft serve processes to sample on (rollout.engine=vllm), e.g. "
+                                          "[http://10.0.0.5:8000]; empty: the engine runs in the trainer's process.")
+    server: ServerSettings = Field(default_factory=ServerSettings, description="rollout.servers settings.")
     async_steps: int = Field(
         0, ge=0, description="k: a sampler thread generates the next batches while the trainer trains, at most k "
                              "optimizer steps behind (batch j samples from the weights after exactly max(0, j-k) "
@@ -75,8 +122,24 @@ class RolloutConfig(Section):
     def _known_sampler_device(cls, value: Any) -> Any:
         return check_device(str(value), "rollout.sampler_device") if isinstance(value, (str, int)) else value
 
+    @field_validator("servers")
+    @classmethod
+    def _server_urls(cls, urls: list[str]) -> list[str]:
+        from urllib.parse import urlparse
+
+        for url in urls:
+            parsed = urlparse(url)
+            if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.port is None:
+                raise ValueError(f"rollout.servers: {url!r} is not a server URL; write http://HOST:PORT, as rlft serve "
+                                 "prints it")
+        if len(set(urls)) != len(urls):
+            raise ValueError("rollout.servers lists a server twice")
+        return [u.rstrip("/") for u in urls]
+
     @model_validator(mode="after")
     def _vllm_sampling(self) -> "RolloutConfig":
+        if self.servers and self.engine != "vllm":
+            raise ValueError("rollout.servers are vLLM servers: set rollout.engine=vllm (or drop rollout.servers)")
         if self.engine == "vllm":
             check_vllm_sampling(self.temperature, self.top_p, self.top_k, "rollout")
             if self.sampler == "process":
@@ -108,7 +171,7 @@ class AgentConfig(Section):
     With method sft (the cold start on tool-use transcripts): `tools` and `parser` say how the
     rows are shown (the tools in the prompt, each call in the parser's syntax) and
     `max_tool_output_tokens` cuts results as rollouts do; the environment and the episode limits apply to
-    rollouts only."""
+    rollouts only. See guides/agents.md."""
 
     tools: list[str] = Field(
         default_factory=list,

@@ -53,6 +53,8 @@ METRIC_DESCRIPTIONS = {
                          "run, the wait on the sampler thread's queue in an async one (whose time/sampler_wait "
                          "is how long the sampler waited for the weights the batch needed).",
     "time/reference": "Seconds of the step spent on the reference model's log-probs (part of time/train).",
+    "time/weight_sync": "rollout.servers: seconds the last push of the trainer's weights to the servers took (the "
+                        "transfer to every live server, its version set; async: the sampler's push for this batch).",
     "kl": "KL(pi || reference) per token on the sampled tokens, with algorithm.kl_estimator (k1, k2 or k3), "
           "measured before the step's update; what an adaptive beta steers toward algorithm.kl_target.",
 }
@@ -90,6 +92,8 @@ def metric_names(config: Any, components: list[str]) -> tuple[set[str], tuple[st
         prefixes += [f"reward/{c}/" for c in components]
         names.update(_ONLINE_IF["kl"] if config.needs_reference else ())
         names.update(_ONLINE_IF["tis"] if a.rollout_correction == "tis" else ())
+        if config.rollout.servers:
+            names.add("time/weight_sync")
         if config.rollout.async_steps:
             names.add("time/sampler_wait")
             split = STALENESS_SPLIT[:3] + (STALENESS_SPLIT[3:] if a.rollout_correction == "tis" else ())

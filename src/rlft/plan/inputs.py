@@ -21,6 +21,7 @@ from rlft.plan.memory import (
     plan_memory,
     size_text,
 )
+from rlft.plan.servers import ServerInput, plan_server
 
 
 def plan_precision(config: Config, local_device: Any = None) -> str:
@@ -81,7 +82,8 @@ def plan_input_from_config(config: Config, world_size: int = 1, local_device: An
                          rollout_batch_size=r.batch_size, reference=a.kl_coef > 0 or a.kl_target is not None,
                          critic=config.critic.kind, engine=r.engine, fast_decode=r.fast_decode,
                          shared_prefix=t.shared_prefix, async_steps=r.async_steps,
-                         sampler_elsewhere=_sampler_elsewhere(config))
+                         sampler_elsewhere=_sampler_elsewhere(config), servers=bool(r.servers),
+                         server_lora_sync=r.server.lora_sync)
     micro = t.micro_batch_size or t.batch_size
     if lengths is not None:
         seq_len, targets = lengths.sequence, max(1, min(lengths.targets, lengths.sequence))
@@ -90,6 +92,20 @@ def plan_input_from_config(config: Config, world_size: int = 1, local_device: An
     return PlanInput(method=config.method, **common, micro_batch_size=micro, batch_size=t.batch_size,
                      seq_len=seq_len, completion_len=targets,
                      reference=config.method == "dpo" and not config.dpo.precompute_ref)
+
+
+def server_input_from_config(config: Config, setting: PlanInput) -> ServerInput | None:
+    """The servers of an online run with `rollout.servers` (None without): their count, the
+    tensor-parallel size and memory share `rlft serve` was given (rollout.server), a step's
+    sequences, and the adapter rank when LoRA sends adapters."""
+    r = config.rollout
+    if not (config.is_online and r.servers):
+        return None
+    adapters = config.lora.enabled and r.server.lora_sync == "adapter"
+    return ServerInput(count=len(r.servers), tensor_parallel=r.server.tensor_parallel_size,
+                       gpu_memory_utilization=r.server.gpu_memory_utilization,
+                       sequences=r.prompts_per_step * r.group_size, seq_len=setting.seq_len,
+                       lora_r=config.lora.r if adapters else None, lora_targets=setting.lora_targets)
 
 
 def read_model_config(path: str, revision: str | None = None, trust_remote_code: bool = False) -> dict[str, Any]:
@@ -147,7 +163,9 @@ def plan_lengths(config: Config, worst_case: bool = False) -> tuple[Any, str]:
 
 
 def plan_report(config: Config, device: str | None = None, memory_gb: float | None = None,
-                world_size: int = 1, worst_case: bool = False) -> str:
+                world_size: int = 1, worst_case: bool = False, devices: int | None = None) -> str:
+    """`rlft plan`'s report: the trainer's plan per rank on `world_size` devices, with rollout.servers
+    the servers' too, and the layout against `devices` (the devices there are) when given."""
     model_cfg = read_model_config(config.model.path, config.model.revision, config.model.trust_remote_code)
     lengths, note = plan_lengths(config, worst_case)
     # the lengths the run will have (the data's, where it can be read), whatever --worst-case plans with
@@ -159,10 +177,40 @@ def plan_report(config: Config, device: str | None = None, memory_gb: float | No
     except ValueError as exc:
         raise ConfigError(f"rlft plan: {exc}") from None
     verdict = Verdict(label, capacity, plan.total)
-    lines = [f"memory plan for {config.method} on {config.model.path} ({world_size} rank(s))", "", plan.table(), "",
+    servers = server_input_from_config(config, setting)
+    title = f"memory plan for {config.method} on {config.model.path} ({world_size} rank(s))"
+    if servers is not None:
+        title = (f"memory plan for {config.method} on {config.model.path}: the trainer on {world_size} x {label}, "
+                 f"rollouts on {servers.count} server(s) x TP{servers.tensor_parallel}, planned apart")
+    lines = [title, "", *(["trainer, per rank:"] if servers else []), plan.table(), "",
              "assumptions:", f"  - {note}", *[f"  - {a}" for a in plan.assumptions], "", verdict.text()]
     advice = advise(model_cfg, setting, capacity)
     if advice:
         lines += ["", "changes that lower the peak (largest effect first):"]
         lines += [f"  - {a.change}: {size_text(a.total)}{' (fits)' if a.fits else ''}" for a in advice]
+    if servers is not None:
+        lines += ["", *server_report(model_cfg, servers, label, capacity, world_size, verdict.fits, devices)]
     return "\n".join(lines)
+
+
+def server_report(model_cfg: dict[str, Any], servers: ServerInput, label: str, capacity: int, world_size: int,
+                  trainer_fits: bool, devices: int | None = None) -> list[str]:
+    """The servers' part of `rlft plan`: one server device, its KV cache, and the whole layout
+    (trainer devices + server devices, against `devices` when given)."""
+    try:
+        plan = plan_server(model_cfg, servers, capacity, label)
+    except ValueError as exc:
+        raise ConfigError(f"rlft plan: {exc}") from None
+    head = (f"rollout servers (rollout.servers): {servers.count} x tensor parallel {servers.tensor_parallel} "
+            f"(rollout.server.tensor_parallel_size), each device at gpu_memory_utilization "
+            f"{servers.gpu_memory_utilization:g}; per server device:")
+    lines = [head, plan.table(), "", plan.concurrency_text(), "", "assumptions:",
+             *[f"  - {a}" for a in plan.assumptions]]
+    if plan.max_model_len_note():
+        lines.append(f"  - {plan.max_model_len_note()}")
+    used = world_size + servers.devices
+    layout = (f"layout: trainer {world_size} x {label} + {servers.count} server(s) x TP{servers.tensor_parallel} "
+              f"= {used} devices" + (f" of {devices}" if devices is not None else ""))
+    short = [what for what, ok in (("the trainer", trainer_fits), ("a server", plan.fits),
+                                   (f"{used} devices", devices is None or used <= devices)) if not ok]
+    return [*lines, "", plan.verdict(label), layout + (f": does NOT fit ({', '.join(short)})" if short else ": fits")]

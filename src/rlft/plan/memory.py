@@ -12,7 +12,10 @@ largest phase, not the sum of everything:
   layer's gradients, so the two never add up);
 - `recompute` (gradient checkpointing): the layer inputs, one rebuilt layer and the gradients;
 - `rollout` (online methods, hf engine): the KV cache and the engine's working copies while sampling;
-- `optimizer`: the gradients and the optimizer step's temporaries (torch's foreach AdamW on GPU).
+- `optimizer`: the gradients and the optimizer step's temporaries (torch's foreach AdamW on GPU);
+- `sync` and `push` (rollout.servers): gathering the whole weights after the step (torchrun), then
+  building what is sent to the servers (merged LoRA weights).
+With rollout.servers the servers sample on devices of their own, planned in `rlft.plan.servers`.
 
 The activation terms count the tensors autograd saves in a Llama/Qwen2 decoder layer as
 transformers runs it (autograd keeps an input only when a gradient needs it); they were checked
@@ -160,6 +163,10 @@ class PlanInput:
     critic: Literal["separate", "shared"] = "separate"  # ppo only
     world_size: int = 1  # FSDP-style sharding of weights, gradients and optimizer states
     engine: Literal["hf", "vllm"] = "hf"
+    # rollout.servers: sampling runs on `rlft serve` processes on other devices (plan/servers.py);
+    # the trainer keeps no engine, KV cache or engine weights
+    servers: bool = False
+    server_lora_sync: Literal["merged", "adapter"] = "adapter"  # rollout.server.lora_sync
     fast_decode: bool = True  # hf engine: fused copies of the projection weights while sampling
     async_steps: int = 0  # rollout.async_steps: a sampler thread with its own copy, sampling while training
     sampler_elsewhere: bool = False  # rollout.sampler_device: the async hf sampler on a device of its own
@@ -188,6 +195,8 @@ class PlanInput:
         if self.quantization == "4bit" and (self.world_size > 1 or self.engine == "vllm"):
             raise ValueError("quantization 4bit runs on one GPU with the hf engine (no FSDP sharding or vLLM "
                              "weight sync of 4-bit weights)")
+        if self.servers and self.engine != "vllm":
+            raise ValueError("rollout servers are vLLM servers: set engine='vllm' with servers")
         if not 0 < self.completion_len <= self.seq_len:
             raise ValueError(f"completion_len must be in [1, seq_len={self.seq_len}], got {self.completion_len}")
 
@@ -493,6 +502,9 @@ def _rollout(m: ModelShape, s: PlanInput, out: list[Component], notes: list[str]
     """Sampling with the hf engine (KV cache in the trainer's memory) or vLLM (its own budget).
     Asynchronous rollouts sample while the trainer updates: what sampling holds is held in every
     phase, and the sampler has its own copy of the policy (and the trainer's published versions)."""
+    if s.servers:
+        _server_rollout(m, s, out, notes)
+        return
     if s.sampler_elsewhere and s.async_steps and s.engine == "hf":  # another device's memory
         own: list[Component] = []
         _async_sampler(m, s, out, notes, sampler_out=own)  # the published versions stay in host memory
@@ -517,6 +529,29 @@ def _vllm_sampling(m: ModelShape, s: PlanInput, out: list[Component], notes: lis
     out.append(Component("vLLM weights copy", m.params() * 2, ("static",), "the engine's own bf16 weights"))
     notes.append("vLLM reserves gpu_memory_utilization x device memory up front; set it to cover its rows "
                  "above, not the default 0.9, when it shares the GPU with the trainer")
+
+
+def _server_rollout(m: ModelShape, s: PlanInput, out: list[Component], notes: list[str]) -> None:
+    """rollout.servers: the servers sample (plan/servers.py), so the trainer holds no engine, but what
+    the run keeps to send them weights: under torchrun every rank's whole copy of the policy
+    (`LoadedModel.mirror`, which rank 0 sends from) and the whole state dict `sync_mirror` gathers
+    into it after each step (freed before the push); a LoRA run with lora_sync=merged, the merged
+    linears on the sending rank; an async run, the sampler's copy in host memory (`_async_sampler`)."""
+    p_bytes = DTYPE_BYTES[s.param_dtype]
+    whole = m.params() * p_bytes + (4 * m.lora_params(s.lora_r, s.lora_targets) if s.lora else 0)
+    if s.async_steps:
+        _async_sampler(m, s, out, notes)
+    if s.world_size > 1:
+        out.append(Component("whole copy of the policy (mirror)", whole, ("static",),
+                             "torchrun: each rank keeps the policy unsharded; rank 0 sends it to the servers"))
+        out.append(Component("gathered state dict", whole, ("sync",),
+                             "sync_mirror gathers the whole weights on every rank after each step"))
+    if s.lora and s.server_lora_sync == "merged":
+        merged = m.layers * sum(a * b for k, (a, b) in m.linear_shapes().items() if k in lora_targets(s.lora_targets))
+        out.append(Component("merged LoRA weights", merged * p_bytes, ("push",),
+                             "rollout.server.lora_sync=merged: W + BA of every adapted linear, sent at once"))
+    notes.append("rollout.servers: the servers sample; the trainer holds no engine, KV cache or engine weights "
+                 "(the servers are planned apart)")
 
 
 def _generated_rows(s: PlanInput) -> int:
@@ -588,16 +623,23 @@ def _async_sampler(m: ModelShape, s: PlanInput, out: list[Component], notes: lis
 
 
 def device_capacity(device: str | None = None, memory_gb: float | None = None) -> tuple[str, int]:
-    """(label, bytes) of a known device name (case and spaces ignored) or of `memory_gb` GiB."""
+    """(label, bytes) of a known device name (case, spaces, '-' and '_' ignored; a prefix naming one
+    device, such as 'h100', will do) or of `memory_gb` GiB."""
     if memory_gb is not None:
         if memory_gb <= 0:
             raise ValueError(f"memory must be positive, got {memory_gb} GiB")
         return f"{memory_gb:g} GiB", int(memory_gb * GiB)
-    key = (device or "H100 80GB").replace(" ", "").lower()
-    for name, mib in DEVICES_MIB.items():
-        if name.replace(" ", "").lower() == key:
-            return name, mib * 2**20
-    raise ValueError(f"unknown device {device!r}; known: {', '.join(DEVICES_MIB)} (or give the memory in GiB)")
+
+    def key(name: str) -> str:
+        return "".join(c for c in name.lower() if c not in " -_")
+
+    wanted = key(device or "H100 80GB")
+    exact = [n for n in DEVICES_MIB if key(n) == wanted]
+    named = exact or [n for n in DEVICES_MIB if key(n).startswith(wanted)]
+    if len(named) == 1:
+        return named[0], DEVICES_MIB[named[0]] * 2**20
+    which = f"{device!r} could be {' or '.join(named)}" if named else f"unknown device {device!r}"
+    raise ValueError(f"{which}; known: {', '.join(DEVICES_MIB)} (or give the memory in GiB)")
 
 
 # config.json's names for the positions a model has: Llama/Qwen2/Mistral, GPT-2, others
@@ -685,6 +727,8 @@ def advise(model_config: Any, setting: PlanInput, capacity: int, context: int = 
                         replace(s, rollout_batch_size=half)))
     if s.quantization == "none":
         options.append((f"{s.world_size * 2} ranks (FSDP sharding)", replace(s, world_size=s.world_size * 2)))
+    if s.servers and s.world_size > 1:  # each rank's whole copy for the servers can cost more than sharding saves
+        options.append(("one trainer rank (no whole copy of the policy per rank)", replace(s, world_size=1)))
     if s.seq_len > 2:
         positions = model_positions(model_config)
         # never a length the model has no positions for (a halved 100,010 is still 50,005)

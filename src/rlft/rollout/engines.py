@@ -31,8 +31,16 @@ def build_engine(policy: Any, seed: int, engine: str = "hf", batch_size: int | N
     return VLLMEngine(policy, stop_ids, seed, vllm, dtype)
 
 
-def rollout_engine(cfg: RolloutConfig, policy: Any, seed: int, dtype: torch.dtype | None = None) -> Engine:
-    """The training run's engine, as `rollout` configures it."""
+def rollout_engine(cfg: RolloutConfig, policy: Any, seed: int, dtype: torch.dtype | None = None, push: bool = True,
+                   version_prefix: str | None = None, adapter_dir: Any = None) -> Engine:
+    """The training run's engine, as `rollout` configures it. With `rollout.servers`: one that
+    samples on them (`push`: this rank sends the weights; `version_prefix`: the same on every
+    rank; `adapter_dir`: where a LoRA policy's adapters go for the servers to load)."""
+    if cfg.servers:
+        from rlft.rollout.servers.engine import ServerEngine  # lazy: needs httpx and vLLM's transfer engines
+
+        return ServerEngine(policy, generation_stop_ids(policy.model, policy.tokenizer), seed, cfg.servers, cfg.server,
+                            push=push, version_prefix=version_prefix, adapter_dir=adapter_dir)
     return build_engine(policy, seed, cfg.engine, cfg.batch_size, cfg.fast_decode, cfg.vllm, dtype)
 
 

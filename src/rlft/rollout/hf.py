@@ -26,7 +26,7 @@ from rlft.models.template import end_of_turn_ids
 from rlft.rollout.continuous import ContinuousBatch
 from rlft.rollout.contract import Completion, SamplingParams
 from rlft.rollout.fast_decode import LeanDecoder, left_padded
-from rlft.rollout.seeds import call_number, check_engine_state, request_seeds
+from rlft.rollout.seeds import SamplingStreams, call_number, request_seeds
 
 
 def generation_stop_ids(model: Any, tokenizer: Any) -> list[int]:
@@ -42,7 +42,9 @@ def generation_stop_ids(model: Any, tokenizer: Any) -> list[int]:
     return ids
 
 
-class HFEngine:
+class HFEngine(SamplingStreams):
+    STATE_NAME = "hf"
+
     def __init__(self, model: Any, tokenizer: Any, stop_ids: Sequence[int], device: torch.device,
                  seed: int = 0, batch_size: int | None = None, fast_decode: bool = True,
                  compute_dtype: torch.dtype | None = None, share_prefill: bool = True):
@@ -230,24 +232,6 @@ class HFEngine:
                 text = text[: text.index(s)]
         return Completion(prompt_ids=prompt, completion_ids=ids, text=text, logprobs=logprobs,
                           finish_reason="stop" if stopped else "length", prompt_index=prompt_index)
-
-    @contextmanager
-    def isolated_rng(self, seed: int) -> Iterator[None]:
-        """Sample from streams seeded with `seed` (the same completions at every eval), then return
-        to the training streams where they were: evals never change the training trajectory."""
-        saved = self._seed, self._stream, self._calls
-        self._seed, self._stream, self._calls = seed, "isolated", 0
-        try:
-            yield
-        finally:
-            self._seed, self._stream, self._calls = saved
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"engine": "hf", "seed": self._seed, "stream": self._stream, "calls": self._calls}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_engine_state(state, "hf")
-        self._seed, self._stream, self._calls = state["seed"], state["stream"], state["calls"]
 
     def close(self) -> None:
         """Nothing to free: the engine samples with the trainer's own model."""

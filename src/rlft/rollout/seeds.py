@@ -10,7 +10,8 @@ prompt index, sample and turn) within the call its first turn made (see `Engine.
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 from rlft.errors import ResumeError
 
@@ -49,3 +50,32 @@ def check_engine_state(state: dict, engine: str) -> None:
         raise ResumeError(f"the checkpoint's rollout state was written by another engine (rollout.engine "
                           f"{state.get('engine', 'of an older rlft')!r}, this run: {engine!r}); resume with the "
                           "same rollout.engine, or start a new run")
+
+
+class SamplingStreams:
+    """An engine's position in its sampling streams (run seed, stream name, call counter): what an
+    evaluation sets aside and a checkpoint saves. `STATE_NAME` names the streams in a checkpoint; a
+    resume refuses another engine's."""
+
+    STATE_NAME = ""
+    _seed: int
+    _stream: str
+    _calls: int
+
+    @contextmanager
+    def isolated_rng(self, seed: int) -> Iterator[None]:
+        """Sample from streams seeded with `seed` (the same completions at every eval), then return
+        to the training streams where they were: evals never change the training trajectory."""
+        saved = self._seed, self._stream, self._calls
+        self._seed, self._stream, self._calls = seed, "isolated", 0
+        try:
+            yield
+        finally:
+            self._seed, self._stream, self._calls = saved
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"engine": self.STATE_NAME, "seed": self._seed, "stream": self._stream, "calls": self._calls}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_engine_state(state, self.STATE_NAME)
+        self._seed, self._stream, self._calls = state["seed"], state["stream"], state["calls"]

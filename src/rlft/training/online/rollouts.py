@@ -44,7 +44,7 @@ import torch
 
 from rlft.data.order import PromptSampler
 from rlft.data.prompts import PromptExample
-from rlft.errors import ConfigError, EnvironmentFailed, RewardError, RlftError
+from rlft.errors import ConfigError, EnvironmentFailed, RewardError, RlftError, ServerError
 from rlft.rewards.scores import Scores
 from rlft.rewards.scoring import RewardScorer
 from rlft.rollout.contract import Completion, Engine, SamplingParams
@@ -169,7 +169,10 @@ class SyncRollouts:
         """The taken batch is used up (its updates applied or skipped): the engine takes the weights."""
         self._start = None
         self.consumed += 1
-        self.maker.engine.sync_weights()
+        try:
+            self.maker.engine.sync_weights()
+        except ServerError:  # the step is done but not yet counted: the next batch's push tries again and
+            pass  # stops the run there (`take`), where the loop saves the steps done
 
     def close(self, wait: bool = True) -> None:
         """Nothing runs beside the loop."""
