@@ -18,8 +18,10 @@ from __future__ import annotations
 import html
 import inspect
 import json
+import posixpath
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator, Literal, get_args, get_origin
 
 # -- code-fence markers ------------------------------------------------------------------------------
@@ -62,15 +64,46 @@ def strip_markers(markdown: str) -> str:
 
 # -- Markdown helpers --------------------------------------------------------------------------------
 
-def _text(value: str, table: bool = False) -> str:
+DOCS = Path(__file__).resolve().parent
+# a docs page named in prose, as its path under docs/ (guides/rewards.md, guides/async.md#memory)
+_DOC_PAGE = re.compile(r"(?<![\w/.-])((?:[\w-]+/)*[\w-]+\.md(?:#[\w-]+)?)(?![\w/])")
+_HEADING = re.compile(r"^(#{1,6})[ \t]+(.+?)(?:[ \t]+\{#([\w-]+)\})?[ \t]*$", re.MULTILINE)
+
+
+def _literal(part: str) -> str:
+    part = html.escape(part, quote=False)
+    return re.sub(r"([*_{}\[\]\\])", r"\\\1", part)
+
+
+def _page_link(target: str, page: str) -> str:
+    """`guides/async.md#memory`, named on `page`: a link to it (relative, so --strict checks the page and the
+    anchor), titled with the page's title and the anchor's heading: "Asynchronous rollouts › Memory"."""
+    from markdown.extensions.toc import slugify
+
+    path, _, anchor = target.partition("#")
+    text = target
+    source = DOCS / path
+    if source.is_file():
+        headings = [(m[1], m[2], m[3] or slugify(m[2].replace("`", ""), "-"))
+                    for m in _HEADING.finditer(source.read_text())]
+        title = next((h for level, h, _ in headings if level == "#"), path)
+        heading = next((h for level, h, slug in headings if anchor and slug == anchor and level != "#"), None)
+        text = title + (f" › {heading}" if heading else "")
+    href = posixpath.relpath(path, posixpath.dirname(page) or ".") + (f"#{anchor}" if anchor else "")
+    return f"[{_literal(text)}]({href})"
+
+
+def _text(value: str, table: bool = False, page: str | None = None) -> str:
     """Prose from docstrings and help strings as Markdown shows it literally: `<name>` is not an HTML tag,
-    `*` is not emphasis, `{...}` is not an attribute list; `code spans` stay code."""
+    `*` is not emphasis, `{...}` is not an attribute list; `code spans` stay code. With `page` (the docs/ path
+    of the page it goes on), a docs page named outside code by its path under docs/ (`guides/rewards.md`,
+    `guides/async.md#memory`) becomes a link to it, which --strict checks like any other."""
     parts = re.split(r"(`[^`]*`)", " ".join(value.split()))
     out = []
     for k, part in enumerate(parts):
         if k % 2 == 0:
-            part = html.escape(part, quote=False)
-            part = re.sub(r"([*_{}\[\]\\])", r"\\\1", part)
+            pieces = _DOC_PAGE.split(part) if page else [part]
+            part = "".join(_page_link(p, page) if j % 2 else _literal(p) for j, p in enumerate(pieces))
         if table:  # a pipe would end the cell, in a code span too
             part = part.replace("|", "\\|")
         out.append(part)
@@ -242,25 +275,33 @@ def _default(f: ConfigField) -> str:
     return _code(_yaml(f.field.get_default(call_default_factory=True)))
 
 
-def _section_text(f: ConfigField) -> str:
-    """What a section is for: the field's description, else the class docstring (not pydantic's base one),
-    else for a monitor detector its function's docstring (its settings are that function's arguments)."""
-    if f.field.description:
-        return f.field.description
-    doc = f.section.__dict__.get("__doc__")
+def section_doc(section: type, key: str) -> str:
+    """What a section is for, the intro under its heading: the class's own docstring (not pydantic's base
+    one, nor a parent section's), else for a monitor detector its function's docstring (its settings are that
+    function's arguments). tests/test_docs.py requires one for every section."""
+    doc = section.__dict__.get("__doc__")
     if doc:
         return inspect.cleandoc(doc)
-    if f.key.startswith("monitor."):
+    if key.startswith("monitor."):
         from rlft.monitor.detectors import DETECTORS
 
-        detector = DETECTORS.get(f.key.split(".", 1)[1])
+        detector = DETECTORS.get(key.split(".", 1)[1])
         if detector is not None and detector.__doc__:
-            return f"Health detector `{f.key.split('.', 1)[1]}`: " + inspect.cleandoc(detector.__doc__)
+            return f"Health detector `{key.split('.', 1)[1]}`: " + inspect.cleandoc(detector.__doc__)
     return ""
 
 
-def _paragraphs(text: str) -> str:
-    return "\n\n".join(_text(p) for p in re.split(r"\n\s*\n", text) if p.strip())
+def _section_text(f: ConfigField) -> str:
+    """The intro of a section's heading: `section_doc`; the field's description (what `rlft config-help`
+    prints beside the section's name) only where the class has no docstring."""
+    return section_doc(f.section, f.key) or f.field.description or ""
+
+
+CONFIG_PAGE = "reference/config.md"
+
+
+def _paragraphs(text: str, page: str | None = None) -> str:
+    return "\n\n".join(_text(p, page=page) for p in re.split(r"\n\s*\n", text) if p.strip())
 
 
 def config_reference() -> str:
@@ -280,8 +321,8 @@ def config_reference() -> str:
                 notes.append(f"The items of [`{f.key[:-2]}`](#{anchor_of(f.key[:-2])}) when it is a list.")
             if f.kind == "section" and not f.field.is_required() and f.field.get_default() is None:
                 notes.append("Optional: `null` (the default) leaves it out.")
-            text = _section_text(f) if f.kind == "section" else ""
-            out += ([_paragraphs(text), ""] if text else []) + ([" ".join(notes), ""] if notes else [])
+            text = _section_text(f)
+            out += ([_paragraphs(text, CONFIG_PAGE), ""] if text else []) + ([" ".join(notes), ""] if notes else [])
             continue
         facts = [f"**Type** {_code(_type_text(f.field.annotation))}", f"**Default** {_default(f)}"]
         choices = _choices(f.field.annotation)
@@ -291,7 +332,7 @@ def config_reference() -> str:
             facts.append(f"**Range** {_code(bounds)}")
         out += [f"#### `{f.key}` {{#{f.anchor}}}", "", " · ".join(facts), ""]
         if f.field.description:
-            out += [_paragraphs(f.field.description), ""]
+            out += [_paragraphs(f.field.description, CONFIG_PAGE), ""]
         if f.section is not None:
             out += [f"As a list, its items are [`{f.key}[]`](#{f.anchor}-items).", ""]
         if f.see is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -37,7 +38,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from conftest import run_main
+from conftest import command_lines, run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -184,17 +185,7 @@ SHELL = re.compile(r"[|&;<>()$`*?]")  # a line that needs the shell runs under b
 
 
 def _lines(block: hooks.Block) -> list[str]:
-    """A block's commands: one a line (a trailing backslash continues it), blanks and comments skipped."""
-    out, pending = [], ""
-    for raw in block.body.splitlines():
-        line = pending + raw.strip()
-        if line.endswith("\\"):
-            pending = line[:-1] + " "
-            continue
-        pending = ""
-        if line and not line.startswith("#"):
-            out.append(line)
-    return out
+    return command_lines(block.body)
 
 
 def _shortened(argv: list[str], cwd: Path) -> list[str]:
@@ -285,6 +276,41 @@ def test_every_config_field_and_cli_parameter_is_described():
             if not (getattr(param, "help", None) or "").strip():
                 missing.append(f"{name} {param.param_type_name} {param.name!r} (help=...)")
     assert not missing, "no description: " + "; ".join(missing)
+
+
+def test_every_config_section_has_a_docstring_its_reference_section_opens_with():
+    """Each section of the config page (`model`, `data.train[]`, `eval.suites[].sampling`, ..., as the hook walks
+    them) opens with its class's own docstring: what the section controls, when to touch it, the guide that
+    explains it. A monitor detector's settings are that function's arguments, so its docstring stands in."""
+    from rlft.monitor.detectors import DETECTORS
+
+    page = hooks.config_reference()
+    missing, not_shown = [], []
+    for f in hooks.config_fields():
+        if f.kind == "value":
+            continue
+        doc = f.section.__dict__.get("__doc__") or ""  # its own: not pydantic's, nor a parent section's
+        if not doc.strip() and f.key.startswith("monitor."):
+            doc = getattr(DETECTORS.get(f.key.split(".", 1)[1]), "__doc__", None) or ""
+        if not doc.strip():
+            missing.append(f"{f.section.__module__}.{f.section.__qualname__} ({f.key})")
+            continue
+        first = hooks._paragraphs(inspect.cleandoc(doc).split("\n\n")[0], hooks.CONFIG_PAGE)
+        intro = page.split(f"{{#{f.anchor}}}\n\n", 1)[1].split("\n\n", 1)[0]
+        if first not in intro:
+            not_shown.append(f.key)
+    assert not missing, "config sections without a docstring: " + "; ".join(missing)
+    assert not not_shown, "config sections whose reference section does not open with the docstring: " + \
+        ", ".join(not_shown)
+
+
+def test_docs_pages_named_in_config_prose_become_links():
+    """A docstring or description names a guide by its path under docs/; the config page links it, titled."""
+    text = hooks._text("See guides/rewards.md#the-contract, or guides/async.md; `guides/x.md` stays code.",
+                       page=hooks.CONFIG_PAGE)
+    assert text == ("See [Rewards › The contract](../guides/rewards.md#the-contract), or "
+                    "[Asynchronous rollouts](../guides/async.md); `guides/x.md` stays code.")
+    assert hooks._text("guides/rewards.md") == "guides/rewards.md"  # other pages: no links unless asked
 
 
 # -- figures -------------------------------------------------------------------------------------------------

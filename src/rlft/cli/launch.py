@@ -73,7 +73,7 @@ def check_devices(nproc: int, device_type: str) -> None:
         what = "CPU core(s)"
     if nproc > have:
         raise ConfigError(f"--nproc {nproc} is more processes than this machine's {have} {what} ({device_type}); "
-                          f"fix: --nproc {have} or fewer (several machines: torchrun --nnodes, see the README)")
+                          f"fix: --nproc {have} or fewer (several machines: torchrun --nnodes, see docs/guides/scaling.md#several-machines)")
 
 
 def run_torchrun(nproc: int, entry: list[str], grace_s: float) -> int:

@@ -25,7 +25,10 @@ AdvantageName = Literal["group_norm", "group_mean", "rloo", "reinforce_pp", "rei
 
 
 class AlgorithmConfig(Section):
-    """Online RL parts. Fields left unset are filled from the preset named by `method`."""
+    """The objective of the online methods: advantage estimator, policy loss and ratio clipping, the KL term
+    to the reference (fixed or adaptive), entropy bonus, loss aggregation, update epochs, and corrections for
+    stale or mismatched samples. Fields left unset are filled from the preset named by `method` when the
+    config is loaded; offline methods do not use it. See guides/methods/index.md."""
 
     advantage: AdvantageName | None = Field(None, description="Advantage estimator.")
     std_floor: float | None = Field(None, ge=0, description="Group std is clamped to at least this before dividing.")
@@ -155,7 +158,9 @@ CLIP_WARN = 0.3  # PPO-style clip ranges above this let a single update move the
 
 
 class CriticConfig(Section):
-    """The value model of PPO (method: ppo); unused by the critic-free methods."""
+    """The value model of PPO (method: ppo), whose values give the GAE advantages; the critic-free methods
+    ignore it. It is a separate model (by default started from `model.path`) or a value head on the policy;
+    the other fields set how it trains. See guides/methods/ppo.md#the-critic."""
 
     kind: Literal["separate", "shared"] = Field(
         "separate", description="'separate': its own model; 'shared': a value head on the policy's backbone.")
@@ -176,7 +181,10 @@ class CriticConfig(Section):
 
 
 class DpoConfig(Section):
-    """Direct preference optimisation (method: dpo) on chosen/rejected pairs."""
+    """Direct preference optimisation (method: dpo) on chosen/rejected pairs against a frozen reference: the
+    loss (sigmoid DPO, IPO or hinge), its beta, label smoothing, an optional NLL term on the chosen answers,
+    and whether the reference scores every pair once before training. Other methods ignore it. See
+    guides/methods/dpo.md."""
 
     loss: Literal["sigmoid", "ipo", "hinge"] = Field(
         "sigmoid", description="Preference loss: sigmoid (DPO), ipo (squared, finite target) or hinge (SLiC).")
@@ -199,7 +207,9 @@ class DpoConfig(Section):
 
 
 class RewardModelConfig(Section):
-    """Reward-model training (method: reward_model): a scalar head on a causal-LM checkpoint."""
+    """Reward-model training (method: reward_model): a scalar head on a causal-LM checkpoint, trained on
+    chosen/rejected pairs with a Bradley-Terry loss; this section sets its margin and an optional centering
+    term. Other methods ignore it. See guides/methods/reward-model.md."""
 
     margin: float = Field(
         0.5, description="Bradley-Terry margin for rows without their own 'margin' field: chosen must win by it "

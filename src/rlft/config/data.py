@@ -11,7 +11,9 @@ from rlft.config.section import Section, _local
 
 
 class MixSource(Section):
-    """One entry of `data.train` when it is a list of sources."""
+    """One source of a mixed `data.train`: its path and exactly one of `weight` (its share of every epoch,
+    relative to the other weights) or `rows` (an exact count per epoch); `name` labels its per-source metrics.
+    See guides/config-and-data.md#mixing-sources."""
 
     path: str = Field(description="Data file or dataset (as data.train).")
     name: str | None = Field(None, description="Name in per-source metrics (default: the file's stem).")
@@ -31,6 +33,11 @@ class MixSource(Section):
 
 
 class DataConfig(Section):
+    """What a run trains and evaluates on: the training data (one source, or several mixed in set
+    proportions), optional held-out data, token-length limits, shuffling, and what happens to invalid rows.
+    Every method needs `data.train`; the row format it expects depends on the method. See
+    guides/config-and-data.md#data-formats."""
+
     train: str | list[MixSource] = Field(
         description="Training data: a .jsonl/.json/.parquet file, a saved HF dataset folder, 'hf:NAME', or "
                     "'reasoning_gym:TASK?size=N&eval_size=M&seed=S&SETTING=VALUE' (generated tasks); or a list of "

@@ -12,6 +12,10 @@ from rlft.config.section import Section, _local
 
 
 class SuiteSampling(Section):
+    """How one eval suite samples its answers: completions per prompt (the k of pass@k and maj@k),
+    temperature, answer length and generation batch. Each suite has its own; the `eval` section's sampling
+    fields do not apply to suites. See guides/evaluation.md#evaluation-suites."""
+
     num_samples: int = Field(1, ge=1, description="Completions per prompt (k of pass@k and maj@k).")
     temperature: float = Field(0.0, ge=0, description="0: greedy; > 0: sampled.")
     max_new_tokens: int = Field(128, ge=1, description="Longest completion.")
@@ -19,7 +23,10 @@ class SuiteSampling(Section):
 
 
 class EvalSuite(Section):
-    """One held-out set (`eval.suites: [...]` in a config)."""
+    """One named held-out set with its own prompts, rewards, sampling and cadence, logged under
+    `eval/<name>/` (accuracy, pass@k, maj@k, format compliance, lengths, the gap to the train reward). Suites
+    run during training for every method but reward_model, and `rlft eval RUN` without `--data` evaluates a
+    run's suites. See guides/evaluation.md#evaluation-suites."""
 
     name: str = Field(description="Metric prefix: eval/<name>/...; letters, digits, '_', '-' and '.'.")
     data: str = Field(description="Prompt rows (.jsonl/.json/.parquet, a saved dataset or 'hf:NAME').")
@@ -67,6 +74,11 @@ class EvalSuite(Section):
 
 
 class EvalConfig(Section):
+    """Held-out evaluation by generation: how many `data.eval` prompts are answered and how (temperature,
+    samples per prompt, length, batch), and which reward component counts as correct. It applies to online
+    runs and SFT runs with rewards, every `training.eval_every` steps and after the last, and to `rlft eval`
+    of a run; `suites` adds named held-out sets with settings of their own. See guides/evaluation.md."""
+
     max_examples: int | None = Field(256, ge=1, description="Held-out rows used for generation metrics (None: all).")
     max_new_tokens: int = Field(128, ge=1, description="Longest completion when evaluating.")
     temperature: float = Field(0.0, ge=0, description="0: greedy; > 0: sampled.")

@@ -11,6 +11,11 @@ from rlft.config.section import Section, _local, check_device
 
 
 class ModelConfig(Section):
+    """The policy every method trains: where its weights come from (a local folder, a hub id, a previous run's
+    `final/` or a .gguf file), its tokenizer and chat template, and how it is loaded (dtype, device, attention,
+    4-bit quantization, gradient checkpointing). `model.path` is required; the rest matters when the model is
+    not a plain local checkpoint or does not fit. See getting-started/your-model.md."""
+
     path: str = Field(description="Local folder or Hugging Face hub id of a causal LM (or a previous run's `final/`), "
                                   "or a .gguf file (llama.cpp format; needs `pip install 'rlft[gguf]'`).")
     gguf_file: str | None = Field(
@@ -32,7 +37,7 @@ class ModelConfig(Section):
     quantization: Literal["none", "4bit"] = Field(
         "none", description="'4bit': load the base weights in NF4 with bitsandbytes and train LoRA adapters on "
                             "them (QLoRA; needs lora.enabled, a CUDA GPU and `pip install 'rlft[qlora]'`). "
-                            "final/ then holds the adapter only (see the README).")
+                            "final/ then holds the adapter only (guides/precision-and-memory.md#qlora-lora-on-a-4-bit-base).")
 
     @field_validator("path", "tokenizer_path")
     @classmethod
@@ -53,6 +58,11 @@ class ModelConfig(Section):
 
 
 class LoraConfig(Section):
+    """LoRA adapters (peft): with `enabled: true` only the adapters train and the base weights stay frozen, for
+    any method; the other fields set their rank, scale, dropout and the modules they adapt. Needed for
+    `model.quantization: 4bit` (QLoRA). `final/` then holds the merged model and the adapter (`final/adapter/`),
+    on a 4-bit base the adapter only. See getting-started/your-model.md#3-decide-full-fine-tune-or-lora."""
+
     enabled: bool = Field(False, description="Train LoRA adapters (peft) instead of all weights.")
     r: int = Field(16, ge=1, description="LoRA rank.")
     alpha: float = Field(32, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
@@ -62,7 +72,10 @@ class LoraConfig(Section):
 
 
 class TeacherConfig(Section):
-    """The teacher of on-policy distillation (method: distill): scores the student's own samples."""
+    """The teacher of on-policy distillation (method: distill): it scores each token the student samples, and
+    the per-token gap between its log-probs and the student's is the student's advantage. Required by method
+    distill and refused by every other; it is never trained, and its tokenizer must map tokens as the
+    student's does. See guides/methods/distillation.md."""
 
     path: str = Field(description="The teacher's weights (local folder or hub id); its tokenizer must map every "
                                   "token as the student's does (checked at start-up).")

@@ -157,6 +157,10 @@ class RewardDisagreementSettings(Section):
 
 
 class EarlyStopSettings(Section):
+    """Ending a run early, as a completed run with `final/` exported: when the held-out `metric` has not
+    improved by more than `min_delta` for `patience` evaluations, or when the logged KL exceeds `kl_stop`.
+    Both are off until set. See guides/monitoring.md#stopping-early-and-keeping-the-best."""
+
     metric: str | None = Field(
         None, description="Held-out metric for plateau stopping, e.g. eval/accuracy (None: off).")
     mode: Literal["max", "min"] = Field("max", description="The metric is better larger (max) or smaller (min).")
@@ -167,7 +171,9 @@ class EarlyStopSettings(Section):
 
 
 class MonitorConfig(Section):
-    """Health detectors and early stopping."""
+    """Health detectors and early stopping. Each enabled detector reads the metrics of every logged step and,
+    when they cross its thresholds (its own sub-section, `monitor.<detector>`), warns or stops the run with a
+    checkpoint, as `on_alert` says. See guides/monitoring.md#health-detectors."""
 
     enabled: list[DetectorName] = Field(default_factory=lambda: list(DETECTOR_NAMES),
                                         description="Detectors to run on every logged step.")
@@ -212,8 +218,8 @@ class MonitorConfig(Section):
 
 
 class LoggerSettings(Section):
-    """Extra logging backends (to become fields of the `logging:` section). metrics.jsonl is always
-    written: resume and reports read it."""
+    """The logging backends and their options (fields of the `logging:` section, and what
+    `rlft.monitor.loggers.build_loggers` takes). metrics.jsonl is always written: resume and reports read it."""
 
     backends: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=lambda: ["jsonl"], description="Where metrics go besides metrics.jsonl (always written).")
@@ -229,6 +235,10 @@ class LoggerSettings(Section):
 
 
 class LoggingConfig(LoggerSettings):
+    """What a run records as it goes: how often metrics are written and sample completions saved (online
+    methods), the console progress bar, and backends beside metrics.jsonl, which is always written
+    (TensorBoard, W&B, MLflow; each needs its extra). See guides/monitoring.md#logging-backends."""
+
     log_every: int = Field(1, ge=1, description="Write metrics every N steps.")
     sample_every: int = Field(10, ge=1, description="Save sample completions every N steps (online).")
     num_samples: int = Field(4, ge=0, description="Completions saved per sampling step.")

@@ -11,6 +11,11 @@ from rlft.config.section import Section, _local, check_device
 
 
 class RewardSpec(Section):
+    """One reward component: a function that scores each completion (a built-in name, or your own
+    `module:function` / `file.py:function`), the arguments of a built-in, and its weight in the summed
+    reward; its name labels the component's metrics (`reward/<name>`). Online methods need at least one; an
+    SFT run scores its held-out generations with them, and each eval suite lists its own. See guides/rewards.md."""
+
     fn: str = Field(description="Built-in name (math, exact_match, regex, json_fields, ...) or 'module:function' / 'file.py:function'.")
     name: str | None = Field(None, description="Component name in logs (default: derived from fn).")
     weight: float = Field(1.0, description="Weight in the weighted sum of components.")
@@ -47,6 +52,11 @@ class RewardSpec(Section):
 
 
 class ScoringConfig(Section):
+    """The rules every reward call of a run follows, in training steps and evaluations alike: how many run at
+    once, the time limit of one call, the largest value accepted, and what stops the run: a reward that raises
+    or returns garbage, one that times out again and again, or too large a share of unverifiable rewards in a
+    step. See guides/rewards.md#the-rules-reward-code-runs-under."""
+
     max_workers: int = Field(8, ge=1, description="Reward calls run concurrently (threads; sandboxes are processes).")
     max_infra_error_rate: float = Field(
         0.5, ge=0, le=1, description="Stop when a step's share of unverifiable (None) rewards exceeds this.")

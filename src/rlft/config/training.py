@@ -10,6 +10,12 @@ from rlft.config.section import Section
 
 
 class TrainingConfig(Section):
+    """The optimization every method shares: AdamW and its learning-rate schedule, gradient clipping, how long
+    to train (epochs for offline methods, `max_steps`), batch sizes and micro-batching, evaluation cadence,
+    numeric precision, forward-pass speed-ups (packing, shared prefix, compile), CPU threads and the memory
+    budget. An online step's size is set by `rollout` instead of `batch_size`. See
+    guides/precision-and-memory.md."""
+
     precision: Literal["auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16"] = Field(
         "auto", description="fp32; bf16-mixed / fp16-mixed: fp32 master weights and optimizer states, autocast "
                             "compute (fp16 with loss scaling, CUDA only); bf16: bf16 weights and compute. auto: "
@@ -35,7 +41,7 @@ class TrainingConfig(Section):
                            "recompile; each new variant (no-grad scoring, the shared-prefix mask, LoRA adapters "
                            "off) compiles once. Off by default: on the ~28M model on CPU it made the reference + "
                            "update 1.02-1.27x faster but compiled for 100-130 s on a cold cache, paying off after "
-                           "24 steps at best (README, Speed). Not with model.gradient_checkpointing.")
+                           "24 steps at best (performance.md). Not with model.gradient_checkpointing.")
     learning_rate: float | None = Field(
         None, gt=0, description="Peak learning rate (AdamW); unset: the method's default.")
     lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
@@ -73,6 +79,11 @@ class TrainingConfig(Section):
 
 
 class CheckpointConfig(Section):
+    """When checkpoints are written (every N steps and always at the end), how many are kept, whether the best
+    one by a logged metric is kept too, and whether `final/` is exported from the last weights or from that
+    best checkpoint. `rlft train --resume RUN` continues from the newest intact checkpoint. See
+    guides/resume.md#when-checkpoints-are-written."""
+
     every: int | None = Field(None, ge=1, description="Save a checkpoint every N steps (always at the end).")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept (older ones removed after a new one is complete).")
     keep_best: str | None = Field(

