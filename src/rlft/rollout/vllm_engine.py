@@ -31,7 +31,7 @@ import torch
 from rlft.config import VllmSettings
 from rlft.errors import ConfigError, RlftError
 from rlft.rollout.contract import Completion, SamplingParams
-from rlft.rollout.seeds import call_number, check_engine_state, request_seeds
+from rlft.rollout.seeds import SamplingStreams, call_number, request_seeds
 from rlft.rollout.vllm_weights import (StalenessTracker, base_model_of, full_state, lora_rank, merged_lora_state,
                                        watched_tensors)
 
@@ -114,7 +114,9 @@ def trim_at_stop(text: str, stop: Sequence[str]) -> str:
     return text
 
 
-class VLLMEngine:
+class VLLMEngine(SamplingStreams):
+    STATE_NAME = "vllm"
+
     def __init__(self, policy: Any, stop_ids: Sequence[int], seed: int, settings: VllmSettings | None = None,
                  dtype: torch.dtype | None = None):
         """`dtype`: what rollout.vllm.dtype 'auto' means (the run's rollout dtype; default the weights')."""
@@ -298,24 +300,6 @@ class VLLMEngine:
                           prompt_index=prompt_index)
 
     # ---- reproducibility -----------------------------------------------------------------------
-
-    @contextmanager
-    def isolated_rng(self, seed: int) -> Iterator[None]:
-        """Sample from a stream seeded with `seed` (the same completions at every eval), then
-        return to the training stream where it was."""
-        saved = self._seed, self._stream, self._calls
-        self._seed, self._stream, self._calls = seed, "isolated", 0
-        try:
-            yield
-        finally:
-            self._seed, self._stream, self._calls = saved
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"engine": "vllm", "seed": self._seed, "stream": self._stream, "calls": self._calls}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_engine_state(state, "vllm")
-        self._seed, self._stream, self._calls = state["seed"], state["stream"], state["calls"]
 
     def close(self) -> None:
         """Stop vLLM's engine and forget the trainer hooks (the process group stays, see above)."""
