@@ -105,7 +105,8 @@ class Server:
 
 @pytest.fixture(scope="module")
 def servers(qwen_path):
-    started = [Server(qwen_path), Server(qwen_path), Server(qwen_path)]
+    # A, B, C, and D taking LoRA adapters up to rank 8
+    started = [Server(qwen_path), Server(qwen_path), Server(qwen_path), Server(qwen_path, None, "--lora-rank", "8")]
     try:
         for s in started:
             s.wait()
@@ -154,7 +155,9 @@ def run(cfg: dict) -> tuple[dict, list[dict]]:
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return load_file(str(run_dir / "final" / "model.safetensors"))
+    final = run_dir / "final"
+    return load_file(str(final / "model.safetensors" if (final / "model.safetensors").is_file() else
+                         final / "adapter_model.safetensors"))
 
 
 def same_weights(a: Path, b: Path) -> bool:
@@ -166,6 +169,9 @@ KINDS = {
     "grpo": {},
     "async_k1": {"rollout": {"async_steps": 1}, "algorithm": {"rollout_correction": "tis"}},
     "agent": {"agent": {"tools": ["calculator"], "max_turns": 2, "max_total_tokens": 200}},
+    # the adapter only travels: saved for the server, loaded by vLLM's runtime LoRA loading (colocated: the
+    # same adapter as a LoRA request)
+    "lora": {"lora": {"enabled": True, "r": 8, "dropout": 0.0}, "rollout": {"vllm": {"lora_sync": "adapter"}}},
 }
 
 
@@ -177,8 +183,9 @@ def test_a_run_through_a_server_is_the_colocated_run(servers, task, qwen_path, t
     (rollout/logprob_diff_max: the trainer's log-probs of the sampled ids at float32 rounding on
     every synchronous step and on async k=1's first, which samples the weights it trains)."""
     steps = 4
+    server = servers[3] if kind == "lora" else servers[0]
     _, local = run(config(task, qwen_path, tmp_path / "local", steps, **json.loads(json.dumps(KINDS[kind]))))
-    summary, remote = run(config(task, qwen_path, tmp_path / "remote", steps, [servers[0].url],
+    summary, remote = run(config(task, qwen_path, tmp_path / "remote", steps, [server.url],
                                  **json.loads(json.dumps(KINDS[kind]))))
     assert summary["status"] == "completed" and len(remote) == steps
     on_policy = remote[:1] if kind == "async_k1" else remote
@@ -187,7 +194,10 @@ def test_a_run_through_a_server_is_the_colocated_run(servers, task, qwen_path, t
     assert same_weights(tmp_path / "local", tmp_path / "remote")
     if kind == "agent":
         assert all(r["agent/turns_mean"] >= 1 for r in remote)
-    assert servers[0].get("/weight_info").json()["weight_version"].startswith("rlft-")
+    if kind == "lora":  # the adapters went to the run's folder, the last one is kept
+        assert [p.name for p in (tmp_path / "remote" / "server-adapters").iterdir()] == \
+            [server.get("/weight_info").json()["weight_version"]]
+    assert server.get("/weight_info").json()["weight_version"].startswith("rlft-")
 
 
 def request_count(server: Server) -> float:

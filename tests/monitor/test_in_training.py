@@ -141,11 +141,12 @@ def test_every_logged_metric_is_in_the_catalogue(root):
 
 def test_metric_descriptions_name_metrics_a_run_logs():
     """A description of a renamed or dropped metric would mislead: each names a metric that an online
-    run with a KL term logs."""
+    run with a KL term (and rollout servers: time/weight_sync) logs."""
     from rlft.monitor.catalogue import METRIC_DESCRIPTIONS
 
     cfg = load_config({"method": "grpo", "output_dir": "runs/x", "model": {"path": "m"},
-                       "data": {"train": "d.jsonl"}, "rewards": [{"fn": "math"}]})
+                       "data": {"train": "d.jsonl"}, "rewards": [{"fn": "math"}],
+                       "rollout": {"engine": "vllm", "servers": ["http://127.0.0.1:8000"]}})
     names, _ = metric_names(cfg, ["math"])
     assert METRIC_DESCRIPTIONS and set(METRIC_DESCRIPTIONS) <= names
     assert "k3" in METRIC_DESCRIPTIONS["policy/approx_kl"]  # tests/algorithms/test_policy_loss.py checks the number

@@ -58,7 +58,12 @@ class ServerClient:
         if response.status_code >= 400:
             raise (ServerLost if response.status_code >= 500 else ServerError)(f"rollout server {self.url} answered {method} {path} with {response.status_code}: "
                               f"{response.text[:500]}")
-        return response.json() if response.content else None
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:  # some routes answer plain text (vLLM's /v1/load_lora_adapter)
+            return response.text
 
     def close(self) -> None:
         self.http.close()
