@@ -1,5 +1,7 @@
 """Talking to an OpenAI-compatible chat endpoint (`POST {base_url}/chat/completions`: `vllm serve`,
-llama.cpp's server, a hosted API) with the standard library only, so judges add no dependency.
+llama.cpp's server, a hosted API) through one `httpx.Client` per endpoint: the HTTP client the
+rollout-server client (`rollout/servers/client.py`) uses too. Its connections are kept open and
+reused between requests.
 
 Failures fall in three kinds, because each needs a different answer:
 - transient (connection refused or reset, a time limit, HTTP 408/429/5xx): retried with
@@ -12,18 +14,19 @@ Failures fall in three kinds, because each needs a different answer:
 
 from __future__ import annotations
 
-import http.client
 import ipaddress
 import json
+import ssl
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from rlft.errors import RlftError
 from rlft.rewards.calls import call_all
+
+if TYPE_CHECKING:
+    import httpx
 
 SHOWN_BODY = 300  # characters of an error body quoted in messages: enough for a server's reason
 
@@ -75,13 +78,28 @@ class Endpoint:
     def __init__(self, url: str, model: str, *, timeout_s: float, max_retries: int, backoff_s: float,
                  max_concurrency: int, api_key: str | None = None, sampling: dict[str, Any] | None = None,
                  sleep: Callable[[float], None] = time.sleep):
+        import httpx  # lazy: importing rlft.rewards registers every reward; only a judge in use pays for httpx
+
         self.url, self.model, self.timeout_s = url, model, timeout_s
         self.max_retries, self.backoff_s, self.max_concurrency = max_retries, backoff_s, max_concurrency
         self.api_key, self.sampling, self.sleep = api_key, dict(sampling or {}), sleep
-        # a judge on this machine is reached directly, even where an http_proxy is set for the outside
+        headers = {"Content-Type": "application/json"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"  # httpx.Headers' repr shows it as [secure]
         host = urllib.parse.urlsplit(url).hostname or ""
-        handlers = [urllib.request.ProxyHandler({})] if _is_loopback(host) else []
-        self._opener = urllib.request.build_opener(*handlers)
+        self._http = httpx.Client(
+            headers=headers,
+            # connect, each read and write, and waiting for a pooled connection: each up to timeout_s
+            timeout=httpx.Timeout(timeout_s),
+            # call_all keeps at most max_concurrency requests in flight; a request it abandoned (a
+            # trickling reply) must not hold a connection a new one waits for, so only idle ones are capped
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=max_concurrency),
+            # the system's certificate authorities (SSL_CERT_FILE / SSL_CERT_DIR honoured), as Python's own
+            verify=ssl.create_default_context(),
+            # http(s)_proxy / no_proxy apply, except that a judge on this machine is reached directly
+            trust_env=not _is_loopback(host),
+            follow_redirects=False,  # a redirected POST is refused as it is (RequestFailed), never resent
+        )
 
     @property
     def longest_request_s(self) -> float:
@@ -119,35 +137,38 @@ class Endpoint:
         delay = self.backoff_s * 2 ** retry
         return min(delay, retry_after) if retry_after is not None else delay
 
+    def close(self) -> None:
+        """Close the kept-open connections (the endpoint cannot be asked again)."""
+        self._http.close()
+
     def _post(self, messages: list[dict[str, str]]) -> str:
+        import httpx  # lazy: see __init__ (already loaded by then)
+
         body = json.dumps({"model": self.model, "messages": messages, **self.sampling}).encode()
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
         try:
-            with self._opener.open(request, timeout=self.timeout_s) as response:
-                raw = response.read()
-        except urllib.error.HTTPError as exc:
-            raise _http_error(exc, self.url, self.model) from None
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # refused, reset, timed out
-            raise TransientError(_describe(exc, self.url, self.timeout_s)) from None
-        return _reply_text(raw)
+            response = self._http.post(self.url, content=body)
+        except httpx.TimeoutException:  # connecting, sending, or a silence while reading, past timeout_s
+            raise TransientError(f"no reply from {self.url} within {self.timeout_s:g}s (args.timeout_s)") from None
+        except httpx.TransportError as exc:  # refused, reset, a broken reply, a proxy's failure
+            raise TransientError(_describe(exc, self.url)) from None
+        except httpx.HTTPError as exc:  # a body that does not decode as its Content-Encoding says
+            raise RequestFailed(f"{self.url}: {type(exc).__name__}: {exc}") from None
+        if not 200 <= response.status_code < 300:
+            raise _http_error(response, self.url, self.model)
+        return _reply_text(response.content)
 
 
-def _http_error(exc: urllib.error.HTTPError, url: str, model: str) -> Exception:
-    try:
-        text = exc.read().decode("utf-8", "replace")[:SHOWN_BODY]
-    except OSError:
-        text = ""
-    said = f"HTTP {exc.code} from {url}" + (f": {text}" if text else "")
-    if exc.code in (408, 429) or exc.code >= 500:
-        return TransientError(said, _retry_after(exc.headers.get("Retry-After") if exc.headers else None))
-    if exc.code == 404:
+def _http_error(response: httpx.Response, url: str, model: str) -> Exception:
+    code = response.status_code
+    text = response.content.decode("utf-8", "replace")[:SHOWN_BODY]
+    said = f"HTTP {code} from {url}" + (f": {text}" if text else "")
+    if code in (408, 429) or code >= 500:
+        return TransientError(said, _retry_after(response.headers.get("Retry-After")))
+    if code == 404:
         return EndpointError(f"{said}\nFix: check args.base_url (an OpenAI-compatible server serves "
                              f"<base_url>/chat/completions; `vllm serve` uses http://HOST:PORT/v1) and args.model "
                              f"({model!r}: the name the server serves, listed by GET <base_url>/models)")
-    if exc.code in (401, 403):
+    if code in (401, 403):
         return EndpointError(f"{said}\nFix: set args.api_key_env to the name of the environment variable that "
                              "holds the endpoint's API key")
     return RequestFailed(said)
@@ -171,13 +192,17 @@ def _retry_after(value: str | None) -> float | None:
         return None
 
 
-def _describe(exc: BaseException, url: str, timeout_s: float) -> str:
-    reason = getattr(exc, "reason", exc)
-    if isinstance(reason, TimeoutError):
-        return f"no reply from {url} within {timeout_s:g}s (args.timeout_s)"
-    if isinstance(reason, ConnectionRefusedError):
-        return f"connection refused by {url} (is the server running?)"
-    return f"{url}: {type(reason).__name__}: {reason}"
+def _describe(exc: BaseException, url: str) -> str:
+    """A transport failure in a line; a refused connection (httpx's ConnectError, raised from the
+    socket's ConnectionRefusedError) says so plainly."""
+    cause: BaseException | None = exc
+    seen: set[int] = set()
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, ConnectionRefusedError):
+            return f"connection refused by {url} (is the server running?)"
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return f"{url}: {type(exc).__name__}: {exc}"
 
 
 def _is_loopback(host: str) -> bool:
