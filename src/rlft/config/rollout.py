@@ -181,9 +181,13 @@ class AgentConfig(Section):
         None, description="What answers a turn without tool calls: 'module:Class' / 'file.py:Class' (reset(**row), "
                           "step(text) -> (observation, reward, done); see rlft/rollout/agent/environments.py) or "
                           "'gem:<env id>' (gem-llm's games, e.g. gem:game:GuessTheNumber-v0-easy; pip install "
-                          "'rlft[gem]'). One instance per episode, made as Class(seed=..., **environment_args).")
+                          "'rlft[gem]'), or 'openenv:http://HOST:PORT' / 'openenv:module:Class' (an OpenEnv "
+                          "server, or one served in this process; pip install 'rlft[openenv]'). One instance per "
+                          "episode, made as Class(seed=..., **environment_args).")
     environment_args: dict[str, Any] = Field(
-        default_factory=dict, description="Keyword arguments for the environment's class (for gem: gem.make).")
+        default_factory=dict, description="Keyword arguments for the environment's class (for gem: gem.make; for "
+                                          "openenv: its reset, besides action_field, observation_field and "
+                                          "keep_prompt).")
     max_turns: int = Field(4, ge=1, description="Assistant turns per episode (each at most rollout.max_new_tokens); "
                                                 "a call on the last one is not run.")
     max_total_tokens: int = Field(
@@ -225,6 +229,23 @@ class AgentConfig(Section):
                               "which rows share a batch follows tool timing, so float rounding is not reproducible "
                               "bit for bit). The hf engine (LLaMA-family models; others keep rounds) or vLLM (each "
                               "turn a request added to the running engine).")
+    program: str | None = Field(
+        None, description="Your own agent loop as the episode: 'file.py:run' / 'module:run', an `async def "
+                          "run(client, row) -> float | dict` given an openai.AsyncOpenAI client on the policy's "
+                          "endpoint and the data row; its return value is the episode's reward (rewards: "
+                          "[{fn: program}]). Every model call is recorded and trained on token-exactly; tools live "
+                          "in the program (the OpenAI tools API), not in agent.tools. Needs pip install "
+                          "'rlft[openai]'.")
+    episode_timeout_s: float = Field(
+        300.0, gt=0, description="agent.program: time limit for one episode; a program still running then ends "
+                                 "with nothing trained and reward 0 (agent/errors/program_timeout).")
+
+    @model_validator(mode="after")
+    def _program_alone(self) -> "AgentConfig":
+        if self.program is not None and (self.tools or self.environment):
+            raise ValueError("agent.program runs its own loop (its tools go through the OpenAI tools API): drop "
+                             "agent.tools and agent.environment, or drop agent.program")
+        return self
 
     @field_validator("environment")
     @classmethod
@@ -234,17 +255,24 @@ class AgentConfig(Section):
                 raise ValueError("agent.environment 'gem:' names no environment; write e.g. "
                                  "gem:game:GuessTheNumber-v0-easy")
             return value
-        target, sep, attr = value.rpartition(":")
+        prefix = "openenv:" if value.startswith("openenv:") else ""
+        if prefix and value[len(prefix):].startswith(("http://", "https://", "ws://", "wss://")):
+            return value
+        target, sep, attr = value[len(prefix):].rpartition(":")
         if not sep or not target or not attr:
+            if prefix:
+                raise ValueError(f"agent.environment {value!r}: write it as 'openenv:http://HOST:PORT' (a running "
+                                 "server), 'openenv:module:Class' or 'openenv:path/file.py:app'")
             raise ValueError(f"agent.environment {value!r}: write it as 'module:Class', 'path/file.py:Class' or "
                              "'gem:<env id>'")
         if target.endswith(".py"):
             _local(target, f"agent.environment {value!r}")
-        return paths.function_ref(value)
+        return prefix + paths.function_ref(value[len(prefix):])
 
     @model_validator(mode="after")
     def _tools_or_environment(self) -> "AgentConfig":
-        if not self.tools and self.environment is None:
-            raise ValueError("agent: give tools (agent.tools) or an environment (agent.environment), or both; "
-                             "without either an episode is one turn (drop the agent section)")
+        if not self.tools and self.environment is None and self.program is None:
+            raise ValueError("agent: give tools (agent.tools) or an environment (agent.environment), or both, or "
+                             "your own agent loop (agent.program); without any an episode is one turn (drop the "
+                             "agent section)")
         return self

@@ -137,3 +137,37 @@ def environment(reduce: str = "sum") -> RewardFn:
         return float(combine(rewards)) if rewards else 0.0
 
     return reward
+
+
+@register_reward("program")
+def program(key: str | None = None) -> RewardFn:
+    """What the episode's agent program returned (agent.program): its float, or with `key` that
+    component of the dict it returned. An episode whose program failed (raised, timed out, never
+    called the model) earned 0.0.
+
+    >>> program()("q", "", program_reward=0.5, program_ok=True)
+    0.5
+    >>> program(key="correct")("q", "", program_reward={"correct": 1.0, "steps": 3}, program_ok=True)
+    1.0
+    >>> program()("q", "", program_reward=None, program_ok=False)
+    0.0
+    """
+
+    def reward(prompt: str, completion: str, **row: Any) -> float:
+        if "program_ok" not in row:
+            raise ValueError("the program reward needs episodes of an agent program (agent.program)")
+        value = row["program_reward"]
+        if not row["program_ok"]:
+            return 0.0
+        if isinstance(value, dict):
+            if key is None:
+                raise ValueError(f"the agent program returned a dict ({', '.join(value)}): name the component "
+                                 "with args: {key: NAME}")
+            if key not in value:
+                raise ValueError(f"the agent program's result has no {key!r} (it has {', '.join(value)})")
+            value = value[key]
+        elif key is not None:
+            raise ValueError(f"args.key {key!r}: the agent program returned a number, not a dict")
+        return float(value)
+
+    return reward

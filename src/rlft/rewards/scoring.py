@@ -165,6 +165,8 @@ def episode_row(example: Any, completion: Any, max_new_tokens: int) -> dict[str,
     row.update(turns=ep.turns, tool_calls=ep.tool_calls, tool_errors=sum(ep.errors.values()))
     if ep.env_rewards is not None:
         row.update(env_rewards=list(ep.env_rewards), env_done=ep.env_done, env_final=ep.env_final)
+    if ep.program_ok is not None:
+        row.update(program_reward=ep.program_reward, program_ok=ep.program_ok)
     return row
 
 

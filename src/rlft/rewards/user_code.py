@@ -27,7 +27,7 @@ from rlft.errors import ConfigError
 # added to every row by the scorer (scoring.scoring_row), so never required from the data
 # (`turns`, `tool_calls`, `tool_errors`: multi-turn runs with `agent` only; `env_*`: with agent.environment)
 SCORING_FIELDS = ("finish_reason", "completion_tokens", "max_new_tokens", "messages", "rendered_prompt", "turns",
-                  "tool_calls", "tool_errors", "env_rewards", "env_done", "env_final")
+                  "tool_calls", "tool_errors", "env_rewards", "env_done", "env_final", "program_reward", "program_ok")
 ALLOWED_VALUES = ("a float (int and bool count as numbers), None (cannot verify) or a dict of floats (or one of "
                   "those as Scored(value, info), with notes to log)")
 

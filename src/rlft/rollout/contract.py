@@ -80,6 +80,11 @@ class Episode:
     env_tokens: int = 0  # inserted (loss-masked) observation tokens
     env_final: str | None = None  # the last step's observation when it was not shown (the episode ended there)
     env_timed_out: bool = False  # a step did not return within agent.env_step_timeout_s (the episode ended there)
+    # with agent.program (rollout/agent/program.py): what the program returned, and the times a call's
+    # prompt did not extend the previous call's (the episode then trains as several exact sequences)
+    program_reward: Any = None
+    program_ok: bool | None = None  # None: not a program's episode; False: it raised, timed out or never called
+    prefix_breaks: int = 0
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ conversation. A first observation takes the place of the row's last message (its
 and earlier turns stay); each later observation is a `user` message, inserted like a tool result
 (encoded once, never trained on), until `done`. The observation that comes with `done` is not
 shown: nothing follows it. Config names environments like rewards: `module:Class`,
-`path/file.py:Class`, or `gem:<env id>` for the games of the gem-llm package (rollout/agent/gem_env.py).
+`path/file.py:Class`, `gem:<env id>` for the games of the gem-llm package (rollout/agent/gem_env.py),
+or `openenv:URL` / `openenv:module:Class` for OpenEnv's (rollout/agent/openenv_env.py).
 
 Seeds: the G episodes of a group get the same seed (a function of the run's seed and the prompt's
 draw number, so a resumed run replays them), hence the same start (e.g. the same secret number):
@@ -44,9 +45,11 @@ from rlft.models.template import Messages
 from rlft.rewards.calls import call_all
 from rlft.rewards.user_code import describe_exception, indent, load_user_function, source_file
 from rlft.rollout.agent.gem_env import gem_factory
+from rlft.rollout.agent.openenv_env import openenv_factory
 from rlft.rollout.seeds import stream_seed
 
 GEM_PREFIX = "gem:"
+OPENENV_PREFIX = "openenv:"
 _PROTOCOL = ("class MyEnv:\n    def __init__(self, seed: int, **args): ...\n"
              "    def reset(self, **row) -> str | None: ...   # first observation (None: the row's prompt)\n"
              "    def step(self, text: str) -> tuple[str, float, bool]: ...   # observation, reward, done")
@@ -171,9 +174,13 @@ class EpisodeEnv:
 
 def load_environment(ref: str, args: dict[str, Any], run_seed: int,
                      max_prompt_tokens: int | None = None) -> EnvironmentSource:
-    """`module:Class`, `file.py:Class` or `gem:<env id>`, checked before training starts."""
+    """`module:Class`, `file.py:Class`, `gem:<env id>` or `openenv:<URL | module:Class | module:app>`,
+    checked before training starts."""
     if ref.startswith(GEM_PREFIX):
         return EnvironmentSource(ref, gem_factory(ref[len(GEM_PREFIX):], args), run_seed, None, max_prompt_tokens)
+    if ref.startswith(OPENENV_PREFIX):
+        return EnvironmentSource(ref, openenv_factory(ref[len(OPENENV_PREFIX):], args), run_seed, None,
+                                 max_prompt_tokens)
 
     cls = load_user_function(ref, what="agent.environment")
     check_environment_class(cls, ref, args)

@@ -30,6 +30,9 @@ from rlft.rewards.user_code import load_user_function
 
 # Why a call failed; each is a counter (`agent/errors/<kind>`) and an observation starting "Error:".
 ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout", "bad_result", "too_many_calls")
+# what ends an agent.program episode (rollout/agent/program.py), counted beside the tools' errors
+PROGRAM_ERRORS = ("program_raised", "program_timeout", "program_no_call")
+EPISODE_ERRORS = ERROR_KINDS + PROGRAM_ERRORS
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from rlft.errors import ConfigError
 from rlft.models.template import Messages, encode_text, end_of_turn_ids
 from rlft.rollout.agent.environments import EnvironmentSource, EpisodeEnv, EpisodeRow, env_counts, env_metrics
 from rlft.rollout.agent.tool_calls import Parser, hermes
-from rlft.rollout.agent.tools import ERROR_KINDS, PendingCall, Tool, ToolResult, start_call
+from rlft.rollout.agent.tools import EPISODE_ERRORS, ERROR_KINDS, PendingCall, Tool, ToolResult, start_call
 from rlft.rollout.continuous import TurnRequest
 from rlft.rollout.contract import Completion, Engine, Episode, SamplingParams
 
@@ -439,7 +439,8 @@ def cut_tool_output(tokenizer: Any, text: str, limit: int) -> str:
 def episode_counts(completions: Sequence[Completion]) -> dict[str, float]:
     """What `episode_metrics` divides: sums over the episodes (and the slowest call), which add up
     over ranks (a key ending in 'max' takes the maximum, as MetricAccumulator.reduce does)."""
-    records = [c.episode for c in completions if c.episode is not None]
+    records = list({id(c.episode): c.episode for c in completions if c.episode is not None}.values())  # a split
+    # program episode is several completions with one record
     latency = [s for r in records for s in r.tool_latency_s]
     drift = [r.retokenize_drift for r in records if r.retokenize_drift is not None]
     counts = {"episodes": float(len(records)), "turns": float(sum(r.turns for r in records)),
@@ -450,8 +451,9 @@ def episode_counts(completions: Sequence[Completion]) -> dict[str, float]:
               "max_turns_reached": float(sum(r.max_turns_reached for r in records)),
               "ended_on_error": float(sum(r.ended_on_error for r in records)),
               "latency_sum": sum(latency), "latency_n": float(len(latency)), "latency_max": max(latency, default=0.0),
-              "drift_sum": float(sum(drift)), "drift_n": float(len(drift)), "drifted": float(sum(d > 0 for d in drift))}
-    counts.update({f"errors/{kind}": float(sum(r.errors.get(kind, 0) for r in records)) for kind in ERROR_KINDS})
+              "drift_sum": float(sum(drift)), "drift_n": float(len(drift)), "drifted": float(sum(d > 0 for d in drift)),
+              "prefix_breaks": float(sum(r.prefix_breaks for r in records))}
+    counts.update({f"errors/{kind}": float(sum(r.errors.get(kind, 0) for r in records)) for kind in EPISODE_ERRORS})
     counts.update(env_counts(records))
     return counts
 
@@ -467,16 +469,18 @@ def episode_metrics(completions: Sequence[Completion], reduce: Any = None) -> di
     n, calls = c["episodes"], c["tool_calls"]
     if not n:
         return {}
-    errors = {kind: c[f"errors/{kind}"] for kind in ERROR_KINDS}
+    errors = {kind: c[f"errors/{kind}"] for kind in EPISODE_ERRORS if kind in ERROR_KINDS or c[f"errors/{kind}"]}
     out = {"agent/turns_mean": c["turns"] / n,
            "agent/tool_calls_mean": calls / n,
-           "agent/tool_error_rate": sum(errors.values()) / calls if calls else 0.0,
+           "agent/tool_error_rate": sum(errors.get(k, 0.0) for k in ERROR_KINDS) / calls if calls else 0.0,
            "agent/tool_token_frac": c["tool_tokens"] / max(c["tokens"], 1.0),
            "agent/budget_truncated": c["budget_truncated"],
            "agent/max_turns_reached": c["max_turns_reached"],
            "agent/ended_on_error": c["ended_on_error"],
            "agent/tool_latency_mean_s": c["latency_sum"] / c["latency_n"] if c["latency_n"] else 0.0,
            "agent/tool_latency_max_s": c["latency_max"]}
+    if c["prefix_breaks"]:
+        out["agent/prefix_breaks"] = c["prefix_breaks"]
     if c["drift_n"]:
         out["agent/retokenize_drift"] = c["drift_sum"] / c["drift_n"]
         out["agent/retokenize_drift_frac"] = c["drifted"] / c["drift_n"]
