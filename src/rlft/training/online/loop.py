@@ -190,6 +190,10 @@ def _engines(config: Config, policy: Any, dtype: torch.dtype | None, world: Worl
     rollout.servers rank 0 sends the weights, under version names every rank agrees on."""
     r = config.rollout
     servers = {}
+    if r.servers and r.async_steps and world.active:
+        raise ConfigError("rollout.servers with rollout.async_steps > 0 runs one trainer process for now: every "
+                          "rank's sampler would need the servers on its own weight version at once. Train with one "
+                          "process (the servers sample in parallel anyway), or set rollout.async_steps=0")
     if r.servers:
         servers = dict(push=world.main, version_prefix=world.broadcast(uuid.uuid4().hex[:8]),
                        adapter_dir=r.server.adapter_dir or (run_root / "server-adapters" if run_root else None))
