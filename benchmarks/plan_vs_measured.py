@@ -134,7 +134,8 @@ def qwen7b_table(device: str = "H100 80GB") -> str:
     512 + completion 1024, micro-batch 4, KL reference, hf engine), full and LoRA r=16."""
     from transformers import AutoConfig
 
-    from rlft.plan.memory import GiB, Verdict, device_capacity
+    from rlft.plan.advice import Verdict
+    from rlft.plan.memory import GiB, device_capacity
 
     cfg = AutoConfig.from_pretrained(QWEN7B)
     label, capacity = device_capacity(device)

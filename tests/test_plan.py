@@ -10,8 +10,8 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from rlft.plan.memory import (GiB, ModelShape, PlanInput, Verdict, advise, device_capacity, layer_activation_bytes,
-                       plan_memory)
+from rlft.plan.advice import Verdict, advise
+from rlft.plan.memory import GiB, ModelShape, PlanInput, device_capacity, layer_activation_bytes, plan_memory
 
 QWEN7B = Path(__file__).parent / "fixtures" / "qwen2.5-7b"
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlft.plan.memory import NF4_BYTES_PER_PARAM, GiB, ModelShape, PlanInput, advise, plan_memory
+from rlft.plan.advice import advise
+from rlft.plan.memory import NF4_BYTES_PER_PARAM, GiB, ModelShape, PlanInput, plan_memory
 
 QWEN7B = Path(__file__).parent / "fixtures" / "qwen2.5-7b"
 QLORA = dict(lora=True, quantization="4bit", param_dtype="fp32", precision="fp32")

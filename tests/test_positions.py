@@ -81,7 +81,8 @@ def test_the_agent_budget_and_the_offline_length_are_checked(grpo_config, no_wei
 
 
 def test_advice_never_suggests_a_length_past_the_positions():
-    from rlft.plan.memory import PlanInput, advise
+    from rlft.plan.advice import advise
+    from rlft.plan.memory import PlanInput
 
     model = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 4, "vocab_size": 256, "max_position_embeddings": 1024}

@@ -38,7 +38,8 @@ from rlft.errors import RlftError
 from rlft.models.precision import resolve_precision
 from rlft.plan.inputs import check_positions, plan_input_from_config, read_model_config
 from rlft.plan.lengths import data_lengths
-from rlft.plan.memory import CUDA_CONTEXT, Verdict, advise, micro_batch_layer_bytes, plan_memory, size_text
+from rlft.plan.advice import Verdict, advise
+from rlft.plan.memory import CUDA_CONTEXT, micro_batch_layer_bytes, plan_memory, size_text
 
 GiB = 2**30
 # Under RLIMIT_AS every mapping counts, not only live tensors: libraries mapped after this check,

@@ -11,11 +11,10 @@ from rlft.errors import ConfigError, RlftError
 from rlft.models.hub import hub_source
 from rlft.models.precision import resolve_precision
 from rlft.plan.lengths import data_lengths, worst_case_note
+from rlft.plan.advice import Verdict, advise
 from rlft.plan.memory import (
     POSITION_KEYS,
     PlanInput,
-    Verdict,
-    advise,
     device_capacity,
     model_positions,
     plan_memory,
