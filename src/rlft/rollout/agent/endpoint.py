@@ -269,9 +269,12 @@ class PolicyEndpoint:
                                    '{"type": "function", "function": {"name": ..., "parameters": {...}}}')
             schemas.append({"type": "function", "function": t["function"]})
         key = json.dumps(schemas, sort_keys=True)
-        if key not in self._encoders:
-            self._encoders[key] = ObservationEncoder(self.tokenizer, schemas, self.call_syntax, self.tools_block)
-        return self._encoders[key]
+        encoder = self._encoders.get(key)
+        if encoder is None:  # concurrent first calls (executor threads): keep the one stored first, since a
+            # call continues the last one only with the same encoder (`_continued`)
+            encoder = self._encoders.setdefault(key, ObservationEncoder(self.tokenizer, schemas, self.call_syntax,
+                                                                        self.tools_block))
+        return encoder
 
     def _params(self, episode: str, spec: _Request, max_tokens: int | None) -> SamplingParams:
         base = self.params
