@@ -134,7 +134,8 @@ def task(tmp_path_factory):
 def config(task: Path, qwen_path: Path, out: Path, steps: int, servers: list[str] = (), **extra) -> dict:
     rollout = {"engine": "vllm", "group_size": 8, "prompts_per_step": 4, "max_new_tokens": 12,
                "servers": list(servers), **extra.pop("rollout", {})}
-    return {"method": "grpo", "output_dir": str(out), "seed": 0, "model": {"path": str(qwen_path), "device": "cpu"},
+    return {"method": extra.pop("method", "grpo"), "output_dir": str(out), "seed": 0,
+            "model": {"path": str(qwen_path), "device": "cpu"},
             "data": {"train": str(task / "prompts.jsonl"), "eval": str(task / "heldout.jsonl")},
             # fp32: the engine/trainer log-prob bound is float32 rounding
             "training": {"learning_rate": 1e-2, "max_steps": steps, "num_threads": 1, "lr_scheduler": "constant",
@@ -165,13 +166,15 @@ def same_weights(a: Path, b: Path) -> bool:
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-KINDS = {
+KINDS = {  # what works colocated, through a server: the GRPO family, async, agents, LoRA, PPO, distillation
     "grpo": {},
     "async_k1": {"rollout": {"async_steps": 1}, "algorithm": {"rollout_correction": "tis"}},
     "agent": {"agent": {"tools": ["calculator"], "max_turns": 2, "max_total_tokens": 200}},
     # the adapter only travels: saved for the server, loaded by vLLM's runtime LoRA loading (colocated: the
     # same adapter as a LoRA request)
     "lora": {"lora": {"enabled": True, "r": 8, "dropout": 0.0}, "rollout": {"vllm": {"lora_sync": "adapter"}}},
+    "ppo": {"method": "ppo", "critic": {"kind": "separate"}, "algorithm": {"kl_coef": 0.001}},
+    "distill": {"method": "distill"},  # the teacher: the starting model (set below)
 }
 
 
@@ -184,9 +187,10 @@ def test_a_run_through_a_server_is_the_colocated_run(servers, task, qwen_path, t
     every synchronous step and on async k=1's first, which samples the weights it trains)."""
     steps = 4
     server = servers[3] if kind == "lora" else servers[0]
-    _, local = run(config(task, qwen_path, tmp_path / "local", steps, **json.loads(json.dumps(KINDS[kind]))))
+    extra = {**KINDS[kind], **({"teacher": {"path": str(qwen_path)}} if kind == "distill" else {})}
+    _, local = run(config(task, qwen_path, tmp_path / "local", steps, **json.loads(json.dumps(extra))))
     summary, remote = run(config(task, qwen_path, tmp_path / "remote", steps, [server.url],
-                                 **json.loads(json.dumps(KINDS[kind]))))
+                                 **json.loads(json.dumps(extra))))
     assert summary["status"] == "completed" and len(remote) == steps
     on_policy = remote[:1] if kind == "async_k1" else remote
     assert all(r["rollout/logprob_diff_max"] < 1e-3 for r in on_policy), [r["rollout/logprob_diff_max"] for r in remote]
