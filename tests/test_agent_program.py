@@ -201,9 +201,9 @@ def test_the_endpoint_refuses_what_it_cannot_record_with_a_400_naming_it(policy,
 
 def test_the_endpoint_needs_the_runs_key(policy, programs):
     from rlft.rollout.agent.endpoint import PolicyEndpoint
-    from rlft.rollout.agent.tool_calls import hermes, write_hermes
+    from rlft.rollout.agent.tool_calls import hermes
 
-    endpoint = PolicyEndpoint(policy.tokenizer, hermes, write_hermes, hermes.syntax, None)
+    endpoint = PolicyEndpoint(policy.tokenizer, hermes, None)
     try:
         endpoint.open_episode("e0.0", 32)
         url = endpoint.base_url("e0.0") + "/chat/completions"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import List, Optional
 
@@ -39,11 +38,12 @@ def serve(
     """Serve MODEL with vLLM for training: the weight-update routes, rlft's transfer backend, the
     key on every route. Prints the URL; Ctrl-C or SIGTERM stops it and its workers."""
     from rlft.paths import stop_on
+    from rlft.rollout.servers.client import server_key
     from rlft.rollout.servers.serve import KEY_ENV_DEFAULT, ServeOptions
     from rlft.rollout.servers.serve import serve as run_server
 
     stop_on(None if model.exists() else f"MODEL {model} does not exist")
-    opts = ServeOptions(model=model, host=host, port=port, api_key=api_key or os.environ.get(KEY_ENV_DEFAULT) or None,
+    opts = ServeOptions(model=model, host=host, port=port, api_key=api_key or server_key(KEY_ENV_DEFAULT),
                         tensor_parallel_size=tensor_parallel_size, lora_rank=lora_rank, max_model_len=max_model_len,
                         dtype=dtype, weight_transfer=weight_transfer, kv_cache_bytes=kv_cache_bytes,
                         gpu_memory_utilization=gpu_memory_utilization, extra_args=tuple(vllm_args or ()))

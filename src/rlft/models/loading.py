@@ -206,8 +206,9 @@ def bnb_4bit_config() -> Any:
 
 
 def load_causal_lm(cfg: ModelConfig, device: torch.device, dtype: torch.dtype | None = None,
-                   field: str = "model.path") -> Any:
-    """`field`: the config field `cfg.path` came from, named in errors (`teacher.path` for a teacher)."""
+                   field: str = "model.path", folder_checked: bool = False) -> Any:
+    """`field`: the config field `cfg.path` came from, named in errors (`teacher.path` for a teacher).
+    `folder_checked`: the caller ran `check_model_folder` already (it reads every weight file's header)."""
     from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
@@ -229,7 +230,8 @@ def load_causal_lm(cfg: ModelConfig, device: torch.device, dtype: torch.dtype | 
         # bitsandbytes places the quantised weights as they load; a 4-bit model is not moved afterwards
         index = device.index if device.index is not None else torch.cuda.current_device()
         kwargs.update(quantization_config=bnb_4bit_config(), device_map={"": index})
-    check_model_folder(cfg.path, field)
+    if not folder_checked:
+        check_model_folder(cfg.path, field)
     source = hub_source(cfg.path, cfg.revision, field)
     check_not_classifier(saved_architectures(source), cfg.path, field)  # before its weights load
     try:
@@ -257,7 +259,7 @@ def load_policy(cfg: ModelConfig, lora: LoraConfig, dtype: torch.dtype | None = 
         check_model_folder(cfg.path, field)
     tokenizer = load_tokenizer(cfg, field)
     check_template(cfg.path, tokenizer, cfg.allow_template_change)
-    model = load_causal_lm(cfg, device, dtype, field)
+    model = load_causal_lm(cfg, device, dtype, field, folder_checked=True)
     check_tokenizer(tokenizer, cfg.tokenizer_path or cfg.path, model.get_input_embeddings().num_embeddings)
     if cfg.quantization == "4bit":
         from peft import prepare_model_for_kbit_training

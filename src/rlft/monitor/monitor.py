@@ -17,7 +17,7 @@ from typing import Any
 
 from rlft.config.monitor import EarlyStopSettings, MonitorConfig
 from rlft.monitor.detectors import DETECTORS, Alert, History
-from rlft.monitor.rundir import append_lines, write_text_atomic
+from rlft.monitor.rundir import append_lines, jsonl_line, write_text_atomic
 from rlft.monitor.text_stats import batch_repetition_rate
 
 EVENTS_FILE = "events.jsonl"
@@ -99,7 +99,7 @@ class Monitor:
     def _write(self, alert: Alert) -> None:
         if self.events_path is None:
             return
-        append_lines(self.events_path, [json.dumps(_clean(alert.to_event())) + "\n"], "logging a health event")
+        append_lines(self.events_path, [jsonl_line(alert.to_event())], "logging a health event")
 
     # -- resume -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -124,12 +124,3 @@ def _number(value: Any) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return float(value)
     return None
-
-
-def _clean(value: Any) -> Any:
-    """JSON has no NaN/inf: null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    return value

@@ -313,12 +313,12 @@ class RunDir:
     def log_metrics(self, record: dict[str, Any]) -> None:
         if not self.writer:
             return
-        append_lines(self.metrics_path, [_jsonl(record)], "logging metrics")
+        append_lines(self.metrics_path, [jsonl_line(record)], "logging metrics")
 
     def log_samples(self, records: list[dict[str, Any]]) -> None:
         if not self.writer:
             return
-        append_lines(self.samples_path, [_jsonl(r) for r in records], "logging samples")
+        append_lines(self.samples_path, [jsonl_line(r) for r in records], "logging samples")
 
     def read_metrics(self) -> list[dict[str, Any]]:
         if not self.metrics_path.exists():
@@ -371,7 +371,8 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def _jsonl(record: dict[str, Any]) -> str:
+def jsonl_line(record: dict[str, Any]) -> str:
+    """One JSON line, NaN/inf as null."""
     return json.dumps(_clean(record)) + "\n"
 
 

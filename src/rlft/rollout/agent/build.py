@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 from rlft.config import AgentConfig
 from rlft.errors import ConfigError, DataError
 from rlft.rollout.agent.environments import load_environment
-from rlft.rollout.agent.tool_calls import pick_parser, pick_writer
+from rlft.rollout.agent.tool_calls import pick_parser
 from rlft.rollout.agent.tools import load_tools
 from rlft.rollout.agent.turns import AgentLimits, TurnDriver
 from rlft.rollout.contract import Engine
@@ -57,8 +57,7 @@ def agent_driver(cfg: AgentConfig | None, engine: Any, tokenizer: Any, example_s
     if cfg.program is not None:
         from rlft.rollout.agent.program import program_driver  # lazy: needs the openai extra (FastAPI, uvicorn)
 
-        parser = pick_parser(cfg.parser, tokenizer.chat_template)
-        return program_driver(cfg, engine, tokenizer, parser, pick_writer(cfg.parser, tokenizer.chat_template))
+        return program_driver(cfg, engine, tokenizer, pick_parser(cfg.parser, tokenizer.chat_template))
     driver = turn_driver(cfg, engine, tokenizer, seed, max_prompt_length, should_stop)
     for examples in example_sets:
         check_prompts_with_tools(driver, examples, max_prompt_length, cfg.max_total_tokens)

@@ -23,24 +23,22 @@ import asyncio
 import json
 import queue
 import secrets
-import socket
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request  # the openai extra; this module is imported only for agent.program
 from fastapi.responses import JSONResponse
-import uvicorn
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rlft.rollout.agent.local_server import serve_in_thread
 from rlft.rollout.agent.tool_calls import Parser
 from rlft.rollout.agent.turns import ObservationEncoder
 from rlft.rollout.contract import Completion, SamplingParams
 
-SUPPORTED_CHAT_FIELDS = ("model", "messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "stop",
-                         "temperature", "n", "stream", "parallel_tool_calls", "user", "logprobs")
 
 
 class _Request(BaseModel):
@@ -76,7 +74,6 @@ class RecordedCall:
     logprobs: list[float]
     finish_reason: str
     text: str
-    policy_version: int | None = None
 
 
 @dataclass
@@ -97,6 +94,7 @@ class _Pending:
     episode: str
     prompt_ids: list[int]
     params: SamplingParams
+    name: str  # its sampling stream
     done: threading.Event = field(default_factory=threading.Event)
     result: Completion | None = None
     error: BaseException | None = None
@@ -141,10 +139,8 @@ class PolicyEndpoint:
     """The endpoint of one driver: started once, pointed at an engine and sampling settings per
     batch of episodes (`open_batch`), serving recorded calls until closed."""
 
-    def __init__(self, tokenizer: Any, parser: Parser, writer: Any, call_syntax: str, tools_block: str | None,
-                 model_name: str = "rlft-policy"):
-        self.tokenizer, self.parser, self.writer = tokenizer, parser, writer
-        self.call_syntax, self.tools_block, self.model_name = call_syntax, tools_block, model_name
+    def __init__(self, tokenizer: Any, parser: Parser, tools_block: str | None, model_name: str = "rlft-policy"):
+        self.tokenizer, self.parser, self.tools_block, self.model_name = tokenizer, parser, tools_block, model_name
         self.key = secrets.token_urlsafe(24)
         self._encoders: dict[str, ObservationEncoder] = {}
         self.queue: "queue.Queue[_Pending]" = queue.Queue()
@@ -153,38 +149,30 @@ class PolicyEndpoint:
         self.last: dict[str, _LastCall] = {}
         self.params: SamplingParams | None = None  # the batch's sampling settings
         self.budget: dict[str, int] = {}  # episode -> tokens it may still sample
+        self.calls: dict[str, int] = {}  # episode -> calls made (numbered when they arrive: their stream names)
         self._lock = threading.Lock()
-        self.port = _free_port()
-        self._server = self._start()
-
-    # -- lifetime ------------------------------------------------------------------------------
-    def _start(self) -> Any:
-        server = uvicorn.Server(uvicorn.Config(self._app(), host="127.0.0.1", port=self.port, log_level="warning",
-                                               lifespan="off"))
-        thread = threading.Thread(target=server.run, name="rlft-endpoint", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the agent endpoint did not start on 127.0.0.1")
-            time.sleep(0.01)
-        return server
+        # requests wait for their samples on these threads: as many as may wait at once (asyncio's default
+        # executor, a few threads, would cap how many calls one engine batch gathers)
+        self._waiting = ThreadPoolExecutor(max_workers=1024, thread_name_prefix="rlft-endpoint-call")
+        self._server, self.port = serve_in_thread(self._app(), "rlft-endpoint", "the agent endpoint", lifespan="off")
 
     def close(self) -> None:
         self._server.should_exit = True
+        self._waiting.shutdown(wait=False)
 
     def base_url(self, episode: str) -> str:
         return f"http://127.0.0.1:{self.port}/episodes/{episode}/v1"
 
     def open_episode(self, episode: str, budget: int) -> None:
         with self._lock:
-            self.records[episode], self.raw[episode], self.budget[episode] = [], {}, budget
+            self.records[episode], self.raw[episode], self.budget[episode], self.calls[episode] = [], {}, budget, 0
 
     def take_episode(self, episode: str) -> list[RecordedCall]:
         with self._lock:
             self.raw.pop(episode, None)
             self.last.pop(episode, None)
             self.budget.pop(episode, None)
+            self.calls.pop(episode, None)
             return self.records.pop(episode, [])
 
     # -- the driver's side: sampling what waits --------------------------------------------------
@@ -205,9 +193,8 @@ class PolicyEndpoint:
         for p in batch:
             by_params.setdefault(p.params, []).append(p)
         for params, group in by_params.items():
-            names = [f"{p.episode}/{len(self.records.get(p.episode, []))}" for p in group]
             try:
-                outs = engine.generate([p.prompt_ids for p in group], params, streams=names)
+                outs = engine.generate([p.prompt_ids for p in group], params, streams=[p.name for p in group])
             except BaseException as exc:  # every waiting request learns of it; the driver stops the batch
                 for p in group:
                     p.error = exc
@@ -233,13 +220,14 @@ class PolicyEndpoint:
             try:
                 body = await request.json()
                 spec = (ChatRequest if kind == "chat" else CompletionRequest).model_validate(body)
-                reply = await asyncio.get_running_loop().run_in_executor(None, self._answer, episode, spec, kind)
+                reply = await asyncio.get_running_loop().run_in_executor(self._waiting, self._answer, episode, spec,
+                                                                         kind)
             except ValidationError as exc:
                 err = exc.errors()[0]
                 where = ".".join(str(x) for x in err["loc"])
                 if err["type"] == "extra_forbidden":
                     return refuse(f"{where}: not supported by rlft's endpoint; supported fields: "
-                                  f"{', '.join(SUPPORTED_CHAT_FIELDS if kind == 'chat' else ('prompt', 'model', 'max_tokens', 'stop', 'temperature', 'n', 'stream', 'user', 'logprobs'))}")
+                                  f"{', '.join((ChatRequest if kind == 'chat' else CompletionRequest).model_fields)}")
                 return refuse(f"{where}: {err['msg']}")
             except (RequestError, json.JSONDecodeError) as exc:
                 return refuse(str(exc))
@@ -272,7 +260,7 @@ class PolicyEndpoint:
         encoder = self._encoders.get(key)
         if encoder is None:  # concurrent first calls (executor threads): keep the one stored first, since a
             # call continues the last one only with the same encoder (`_continued`)
-            encoder = self._encoders.setdefault(key, ObservationEncoder(self.tokenizer, schemas, self.call_syntax,
+            encoder = self._encoders.setdefault(key, ObservationEncoder(self.tokenizer, schemas, self.parser.syntax,
                                                                         self.tools_block))
         return encoder
 
@@ -297,7 +285,9 @@ class PolicyEndpoint:
                               max_new_tokens=cap, stop=tuple(base.stop) + stop)
 
     def _sample(self, episode: str, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        pending = _Pending(episode, prompt_ids, params)
+        with self._lock:  # its stream: the episode's call number, as it arrived (parallel calls each get one)
+            call, self.calls[episode] = self.calls[episode], self.calls[episode] + 1
+        pending = _Pending(episode, prompt_ids, params, f"{episode}/{call}")
         self.queue.put(pending)
         pending.done.wait()
         if pending.error is not None:
@@ -383,9 +373,3 @@ def _message_key(message: dict[str, Any]) -> str:
 def _usage(prompt: list[int], out: Completion) -> dict[str, int]:
     return {"prompt_tokens": len(prompt), "completion_tokens": len(out.completion_ids),
             "total_tokens": len(prompt) + len(out.completion_ids)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -71,6 +71,11 @@ class EpisodeRow:
     draw: int = 0
 
 
+def default_rows(count: int, first_prompt: int) -> list[EpisodeRow]:
+    """Rows for prompts given without theirs (no fields), numbered from `first_prompt`."""
+    return [EpisodeRow(f"prompt {first_prompt + i}", {}, first_prompt + i) for i in range(count)]
+
+
 # what `EnvironmentSource.guarded` returns for a call that did not return in time
 LATE = object()
 

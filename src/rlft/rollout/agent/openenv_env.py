@@ -36,7 +36,6 @@ import json
 import os
 import socket
 import threading
-import time
 import typing
 import weakref
 from typing import Any, Callable, Coroutine
@@ -44,6 +43,7 @@ from urllib.parse import urlsplit
 
 from rlft.errors import ConfigError
 from rlft.rewards.user_code import load_user_function
+from rlft.rollout.agent.local_server import serve_in_thread
 
 INSTALL_HINT = "agent.environment 'openenv:...' needs the openenv-core package: pip install 'rlft[openenv]'"
 URL_SCHEMES = ("http://", "https://", "ws://", "wss://")
@@ -395,20 +395,8 @@ class LocalServer:
     """An ASGI app served by uvicorn on 127.0.0.1 (a free port) on a daemon thread, until dropped."""
 
     def __init__(self, app: Any):
-        import uvicorn  # lazy: openenv-core's dependency
-
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="rlft-openenv-server",
-                                  daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise ConfigError(f"the OpenEnv app did not start on {self.url} (see the log above)")
-            time.sleep(0.01)
+        server, port = serve_in_thread(app, "rlft-openenv-server", "the OpenEnv app")
+        self.url = f"http://127.0.0.1:{port}"
         # dropped with its last episode: stopped once their sessions are closed (a server that stops with
         # sessions open logs an exception for each); at exit its daemon thread just ends
         weakref.finalize(self, _stop_later, server).atexit = False

@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from rlft.errors import ConfigError
 from rlft.rewards.user_code import load_user_function
 from rlft.rollout.agent.endpoint import PolicyEndpoint, RecordedCall
-from rlft.rollout.agent.environments import EpisodeRow
+from rlft.rollout.agent.environments import EpisodeRow, default_rows
 from rlft.rollout.agent.tool_calls import Parser
-from rlft.rollout.agent.turns import ObservationEncoder
 from rlft.rollout.contract import Completion, Engine, Episode, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -82,19 +80,19 @@ def load_program(ref: str) -> Callable[..., Any]:
 class ProgramDriver:
     """The turn driver's place for `agent.program`: `run` has TurnDriver's signature."""
 
-    def __init__(self, engine: Engine, tokenizer: Any, program: Callable[..., Any], parser: Parser, writer: Any,
+    def __init__(self, engine: Engine, tokenizer: Any, program: Callable[..., Any], parser: Parser,
                  max_total_tokens: int, episode_timeout_s: float, tools_block: str | None = None):
         self.engine, self.tokenizer, self.program = engine, tokenizer, program
         self.max_total_tokens, self.episode_timeout_s = max_total_tokens, episode_timeout_s
-        self.encoder = ObservationEncoder(tokenizer, [], parser.syntax, tools_block)  # prompts as rendered
-        self.endpoint = PolicyEndpoint(tokenizer, parser, writer, parser.syntax, tools_block)
+        self.endpoint = PolicyEndpoint(tokenizer, parser, tools_block)
+        self.encoder = self.endpoint._encoder(None)  # prompts as rendered without tools
 
     def run(self, prompts: Sequence[list[dict[str, Any]]], params: SamplingParams, first_prompt: int = 0,
             rows: Sequence[EpisodeRow] | None = None, engine: Engine | None = None) -> list[Completion]:
         engine = engine or self.engine
         engine.generate([], params, first_prompt=first_prompt)  # this batch's call: its named streams continue it
         self.endpoint.params = params
-        rows = rows or [EpisodeRow(f"prompt {first_prompt + i}", {}, first_prompt + i) for i in range(len(prompts))]
+        rows = rows or default_rows(len(prompts), first_prompt)
         episodes = [(i, k, f"e{first_prompt + i}.{k}") for i in range(len(prompts)) for k in range(params.n)]
         for *_, key in episodes:
             self.endpoint.open_episode(key, self.max_total_tokens)
@@ -112,9 +110,7 @@ class ProgramDriver:
                  for i, _, key in episodes]
         loop = asyncio.get_running_loop()
         while not all(t.done() for t in tasks):  # sample what the programs asked for, on this thread
-            served = await loop.run_in_executor(None, self.endpoint.serve_pending, engine, _WAIT_S)
-            if not served:
-                await asyncio.sleep(0)
+            await loop.run_in_executor(None, self.endpoint.serve_pending, engine, _WAIT_S)
         return [t.result() for t in tasks]
 
     async def _episode(self, openai: Any, key: str, row: dict[str, Any]) -> tuple[Any, str | None]:
@@ -141,14 +137,13 @@ class ProgramDriver:
         record = Episode(list(prompt), turns=len(calls), max_tokens=self.max_total_tokens,
                          program_reward=value if error is None else None, program_ok=error is None,
                          prefix_breaks=breaks)
-        if error is not None:
+        if error is not None:  # nothing of a failed episode is trained on: one masked token after its prompt
             record.errors[error] = 1
             record.ended_on_error = True
-        if error is not None:  # nothing of a failed episode is trained on: one masked token after its prompt
             prompt_ids = seqs[0].prompt_ids if seqs else self.encoder.prompt_ids(prompt)
             seqs = [Sequence_(prompt_ids, [self._filler()], [0.0], [0], "stop", "")]
         return [Completion(prompt_ids=s.prompt_ids, completion_ids=s.ids, text=s.text, logprobs=s.logprobs,
-                           finish_reason="length" if s.finish == "length" else "stop", prompt_index=index,
+                           finish_reason=s.finish, prompt_index=index,
                            loss_mask=s.mask, episode=record) for s in seqs]
 
     def _filler(self) -> int:
@@ -160,9 +155,8 @@ class ProgramDriver:
         self.endpoint.close()
 
 
-def program_driver(cfg: Any, engine: Engine, tokenizer: Any, parser: Parser, writer: Any) -> ProgramDriver:
-    started = time.perf_counter()
-    driver = ProgramDriver(engine, tokenizer, load_program(cfg.program), parser, writer, cfg.max_total_tokens,
+def program_driver(cfg: Any, engine: Engine, tokenizer: Any, parser: Parser) -> ProgramDriver:
+    driver = ProgramDriver(engine, tokenizer, load_program(cfg.program), parser, cfg.max_total_tokens,
                            cfg.episode_timeout_s, cfg.tools_prompt)
-    log.info("agent endpoint on 127.0.0.1:%d (started in %.2f s)", driver.endpoint.port, time.perf_counter() - started)
+    log.info("agent endpoint on 127.0.0.1:%d", driver.endpoint.port)
     return driver

@@ -44,7 +44,8 @@ from typing import Any, Callable, Sequence
 
 from rlft.errors import ConfigError
 from rlft.models.template import Messages, encode_text, end_of_turn_ids
-from rlft.rollout.agent.environments import EnvironmentSource, EpisodeEnv, EpisodeRow, env_counts, env_metrics
+from rlft.rollout.agent.environments import (EnvironmentSource, EpisodeEnv, EpisodeRow, default_rows, env_counts,
+                                             env_metrics)
 from rlft.rollout.agent.tool_calls import Parser, hermes
 from rlft.rollout.agent.tools import EPISODE_ERRORS, ERROR_KINDS, PendingCall, Tool, ToolResult, start_call
 from rlft.rollout.continuous import TurnRequest
@@ -200,7 +201,7 @@ class TurnDriver:
         prompts, envs = self._start_environments(prompts, params.n, first_prompt, rows)
         prompt_ids = [self.encoder.prompt_ids(m) for m in prompts]
         if self.environment is not None:  # a first observation may have lengthened the prompt
-            for row, ids in zip(rows or self._default_rows(len(prompts), first_prompt), prompt_ids):
+            for row, ids in zip(rows or default_rows(len(prompts), first_prompt), prompt_ids):
                 self.environment.check_prompt(row, len(ids))
         live = [_Live(i * params.n + k, i, list(m), ids, env=envs[i][k],
                       record=Episode(list(m), max_tokens=lim.max_total_tokens,
@@ -298,14 +299,10 @@ class TurnDriver:
         takes the place of the row's last message); [None] * n per prompt without an environment."""
         if self.environment is None:
             return list(prompts), [[None] * n for _ in prompts]
-        rows = rows or self._default_rows(len(prompts), first_prompt)
+        rows = rows or default_rows(len(prompts), first_prompt)
         started = [self.environment.start(m, row, n, self.limits.env_step_timeout_s, self.should_stop)
                    for m, row in zip(prompts, rows)]
         return [m for m, _ in started], [envs for _, envs in started]
-
-    @staticmethod
-    def _default_rows(count: int, first_prompt: int) -> list[EpisodeRow]:
-        return [EpisodeRow(f"prompt {first_prompt + i}", {}, first_prompt + i) for i in range(count)]
 
     def _step_environment(self, ep: _Live, turn: int) -> bool:
         """Step the episode's environment on its turn's text; whether it goes on, with the

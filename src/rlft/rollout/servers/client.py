@@ -56,8 +56,10 @@ class ServerClient:
                               "run reads (rollout.server.api_key_env, default RLFT_SERVER_API_KEY) to the key the "
                               "server was started with")
         if response.status_code >= 400:
-            raise (ServerLost if response.status_code >= 500 else ServerError)(f"rollout server {self.url} answered {method} {path} with {response.status_code}: "
-                              f"{response.text[:500]}")
+            error = (ServerLost if response.status_code >= 500 else ServerError)(
+                f"rollout server {self.url} answered {method} {path} with {response.status_code}: {response.text[:500]}")
+            error.status = response.status_code
+            raise error
         if not response.content:
             return None
         try:
@@ -74,7 +76,7 @@ class ServerClient:
         try:
             return self.request("GET", "/rlft/info")
         except ServerError as exc:
-            if " 404" in str(exc):
+            if getattr(exc, "status", None) == 404:
                 raise ServerError(f"{self.url} is a vLLM server not started by rlft serve (it has no /rlft/info, "
                                   f"so no key guard on its weight routes and no rlft transfer backend); {SERVE_HINT}"
                                   ) from None

@@ -43,7 +43,7 @@ from rlft.errors import ServerError
 from rlft.rollout.contract import Completion, SamplingParams
 from rlft.rollout.seeds import SamplingStreams, call_number, request_seeds
 from rlft.rollout.servers.client import ServerClient, ServerLost, check_server, server_key
-from rlft.rollout.vllm_engine import check_request, token_caps, trim_at_stop
+from rlft.rollout.vllm_engine import check_request, sampled_completion, token_caps
 from rlft.rollout.vllm_weights import (StalenessTracker, base_model_of, full_state, lora_rank, merged_lora_state,
                                        watched_tensors)
 
@@ -70,19 +70,20 @@ def free_port(address: str) -> int:
 
 
 class NamedTensors:
-    """A vLLM `WeightSource` over the trainer's weights in checkpoint naming (a tied head included),
-    read afresh each round."""
+    """A vLLM `WeightSource` over the trainer's weights in checkpoint naming (a tied head included):
+    the round's `snapshot`, taken once per push and read by every server's transfer (a transfer
+    engine reads its source twice a round: metadata, then the tensors)."""
 
-    def __init__(self, read: Any):
-        self.read = read
+    def __init__(self) -> None:
+        self.snapshot: list[tuple[str, torch.Tensor]] = []
 
     def metadata(self) -> list[Any]:
         from vllm.distributed.weight_transfer.base import ParamMeta
 
-        return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self.read()]
+        return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self.snapshot]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(self.read())
+        return iter(self.snapshot)
 
     def held_names(self) -> None:
         return None
@@ -108,15 +109,17 @@ class ServerEngine(SamplingStreams):
         self.weight_pushes = 0
         self.sync_seconds: list[float] = []  # per push, for metrics and benchmarks
         self.version: str | None = None  # the version the servers hold (None: not pushed yet)
-        self._adapter: str | None = None  # the served adapter's name (LoRA)
-        self.adapter_dir = Path(adapter_dir or s.adapter_dir or "server-adapters").resolve()
+        self._adapter_sync = self.is_lora and s.lora_sync == "adapter"  # the adapter travels (its name: version)
+        self._source = NamedTensors()
+        self.adapter_dir = Path(adapter_dir or s.adapter_dir or "server-adapters").resolve()  # the run passes
+        # rollout.server.adapter_dir or its own folder; the fallbacks serve an engine built on its own
         self._transfers: dict[str, Any] = {}  # url -> trainer-side transfer engine
         self.transfers: dict[str, str] = {}  # url -> how its weights travel ("rlft_gloo via 10.0.0.2")
         self._lock = threading.Lock()
         key = server_key(s.api_key_env)
         self.clients = [ServerClient(url, key, s.timeout_s) for url in urls]
         base = base_model_of(self.model)
-        rank = lora_rank(self.model) if self.is_lora and s.lora_sync == "adapter" else None
+        rank = lora_rank(self.model) if self._adapter_sync else None
         self.infos = [check_server(c, base.config, self.tokenizer, rank) for c in self.clients]
         self.max_model_len = min(c.max_model_len() for c in self.clients)
         self._pool = ThreadPoolExecutor(max_workers=s.max_concurrent_requests, thread_name_prefix="rlft-server")
@@ -132,7 +135,7 @@ class ServerEngine(SamplingStreams):
         version = f"rlft-{self.prefix}-{self.weight_pushes + 1}"
         if not self.push:
             self._wait_for(version)
-        elif self.is_lora and self.settings.lora_sync == "adapter":
+        elif self._adapter_sync:
             self._push_adapter(version)
         else:
             self._push_tensors(version)
@@ -148,7 +151,7 @@ class ServerEngine(SamplingStreams):
     def describe(self) -> str:
         """One line for the run's console: the servers and how weights reach them."""
         how = "adapters (runtime LoRA loading) from " + str(self.adapter_dir) \
-            if self.is_lora and self.settings.lora_sync == "adapter" else \
+            if self._adapter_sync else \
             ", ".join(sorted(set(self.transfers.values()))) or "not sent yet"
         return f"{len(self.live())} of {len(self.clients)} server(s) live; weights: {how}" + \
             ("" if self.push else " (sent by rank 0)")
@@ -157,12 +160,19 @@ class ServerEngine(SamplingStreams):
         return merged_lora_state(self.model) if self.is_lora else full_state(self.model)
 
     def _push_tensors(self, version: str) -> None:
-        source = NamedTensors(lambda: [(k, v.detach()) for k, v in self._weights()])
+        self._source.snapshot = [(k, v.detach()) for k, v in self._weights()]
+        try:
+            self._send(version)
+        finally:
+            self._source.snapshot = []
+        self._require_live("while receiving weights")
+
+    def _send(self, version: str) -> None:
         for client, info in zip(self.clients, self.infos):
             if not client.alive:
                 continue
             try:
-                transfer = self._transfers.get(client.url) or self._open_transfer(client, info, source)
+                transfer = self._transfers.get(client.url) or self._open_transfer(client, info)
                 transfer.send_weights()
                 client.update_weight_version(version)
                 client.reset_prefix_cache()  # cached KV blocks were computed with the old weights
@@ -173,9 +183,8 @@ class ServerEngine(SamplingStreams):
             except Exception as exc:  # a broken broadcast (the server died mid-round)
                 self._drop(client, ServerError(f"rollout server {client.url}: the weight transfer failed "
                                                f"({type(exc).__name__}: {exc})"))
-        self._require_live("while receiving weights")
 
-    def _open_transfer(self, client: ServerClient, info: dict[str, Any], source: NamedTensors) -> Any:
+    def _open_transfer(self, client: ServerClient, info: dict[str, Any]) -> Any:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         from rlft.rollout.servers import transfer  # lazy: imports vLLM, which only a push needs
@@ -200,7 +209,7 @@ class ServerEngine(SamplingStreams):
                               "does not drive; start it with rlft serve")
         self.transfers[client.url] = f"{backend} via {address}"
         log.info("weight transfer to %s: %s via %s", client.url, backend, address)
-        engine = WeightTransferTrainerFactory.trainer_init(init, client=client, source=source)
+        engine = WeightTransferTrainerFactory.trainer_init(init, client=client, source=self._source)
         self._transfers[client.url] = engine
         return engine
 
@@ -208,7 +217,7 @@ class ServerEngine(SamplingStreams):
         root = self.adapter_dir
         path = root / version
         self.model.save_pretrained(str(path))
-        old = self._adapter
+        old = self.version  # the adapter the servers hold is named by its version
         for client in self.live():
             try:
                 client.load_adapter(version, str(path))
@@ -218,7 +227,6 @@ class ServerEngine(SamplingStreams):
             except ServerLost as exc:
                 self._drop(client, exc)
         self._require_live("while loading the adapter")
-        self._adapter = version
         if old is not None:
             shutil.rmtree(root / old, ignore_errors=True)
 
@@ -231,8 +239,6 @@ class ServerEngine(SamplingStreams):
                     raise ServerError(f"rollout server {client.url} did not receive weight version {version} from "
                                       f"rank 0 within {WAIT_FOR_VERSION_S:.0f} s")
                 time.sleep(0.05)
-        if self.is_lora and self.settings.lora_sync == "adapter":
-            self._adapter = version
 
     # ---- servers in and out of the rotation ---------------------------------------------------------
 
@@ -285,8 +291,8 @@ class ServerEngine(SamplingStreams):
             "n": 1 if params.temperature == 0 else params.n, "temperature": params.temperature, "max_tokens": cap,
             "seed": seed, "stop": list(params.stop) or None, "stop_token_ids": self.stop_ids, "ignore_eos": True,
             "logprobs": 0, "detokenize": bool(params.stop), "skip_special_tokens": True}}
-        if self._adapter is not None:
-            payload["model"] = self._adapter
+        if self._adapter_sync:
+            payload["model"] = self.version
         return payload
 
     def _sample(self, prompt: list[int], params: SamplingParams, seed: int, cap: int) -> list[dict[str, Any]]:
@@ -314,19 +320,16 @@ class ServerEngine(SamplingStreams):
         expected = self.version
         for choice in choices:
             seen = {span["version"] for span in choice.get("weight_versions") or []}
-            if expected is not None and seen != {expected}:
+            if seen != {expected}:
                 raise ServerError(f"rollout server {client.url} sampled with weight version(s) {sorted(seen)}, not "
                                   f"the pushed {expected}: it missed a weight update (restarted?). Restart it and "
                                   "resume the run (`rlft train --resume`): a resume pushes the weights again")
 
     def _completion(self, prompt_index: int, prompt: list[int], choice: dict[str, Any],
                     params: SamplingParams) -> Completion:
-        ids = list(choice["token_ids"])
         logprobs = [step["logprob"] for step in choice["logprobs"]["content"]]
-        text = trim_at_stop(self.tokenizer.decode(ids, skip_special_tokens=True), params.stop)
-        finish = "length" if choice["finish_reason"] == "length" else "stop"
-        return Completion(prompt_ids=prompt, completion_ids=ids, text=text, logprobs=logprobs, finish_reason=finish,
-                          prompt_index=prompt_index)
+        return sampled_completion(self.tokenizer, prompt_index, prompt, list(choice["token_ids"]), logprobs,
+                                  choice["finish_reason"], params.stop)
 
     # ---- reproducibility -----------------------------------------------------------------------
 

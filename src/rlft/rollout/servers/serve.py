@@ -28,16 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlft.config import ModelConfig, load_config
+from rlft.config import ModelConfig, ServerSettings, load_config
 from rlft.errors import ConfigError, RlftError
 from rlft.models.loading import load_tokenizer
 from rlft.rollout.servers.client import model_facts, tokenizer_facts
 from rlft.rollout.servers.guard import INFO_ENV, KEY_ENV
-from rlft.rollout.vllm_engine import LORA_RANKS
+from rlft.rollout.vllm_engine import CPU_KV_CACHE_BYTES, VLLM_DTYPES, lora_slot
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-KEY_ENV_DEFAULT = "RLFT_SERVER_API_KEY"
-_CPU_KV_CACHE_BYTES = 1 << 30
+KEY_ENV_DEFAULT = ServerSettings.model_fields["api_key_env"].default
 STOP_GRACE_S = 30.0
 
 
@@ -88,12 +87,11 @@ def server_command(model: Path, opts: ServeOptions, backend: str, on_gpu: bool) 
            "--host", opts.host, "--port", str(opts.port), "--tensor-parallel-size", str(opts.tensor_parallel_size),
            "--enable-scale-out", "--logprobs-mode", "processed_logprobs",
            "--weight-transfer-config", json.dumps({"backend": backend}),
-           "--middleware", "rlft.rollout.servers.guard.RouteGuard", "--dtype",
-           {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(opts.dtype, opts.dtype),
+           "--middleware", "rlft.rollout.servers.guard.RouteGuard", "--dtype", VLLM_DTYPES.get(opts.dtype, opts.dtype),
            "--gpu-memory-utilization", str(opts.gpu_memory_utilization)]
     if opts.max_model_len:
         cmd += ["--max-model-len", str(opts.max_model_len)]
-    kv = opts.kv_cache_bytes or (None if on_gpu else _CPU_KV_CACHE_BYTES)
+    kv = opts.kv_cache_bytes or (None if on_gpu else CPU_KV_CACHE_BYTES)
     if kv:
         cmd += ["--kv-cache-memory-bytes", str(kv)]
     if not on_gpu:
@@ -101,12 +99,8 @@ def server_command(model: Path, opts: ServeOptions, backend: str, on_gpu: bool) 
         # request's seeded generator, which CPU generators cannot do (see rollout/vllm_engine.py)
         cmd += ["--enforce-eager", "--no-enable-chunked-prefill"]
     if opts.lora_rank:
-        cmd += ["--enable-lora", "--max-lora-rank", str(_lora_slot(opts.lora_rank)), "--max-loras", "2"]
+        cmd += ["--enable-lora", "--max-lora-rank", str(lora_slot(opts.lora_rank)), "--max-loras", "2"]
     return cmd + list(opts.extra_args)
-
-
-def _lora_slot(rank: int) -> int:
-    return min(k for k in LORA_RANKS if k >= rank)
 
 
 def check_options(opts: ServeOptions) -> None:
@@ -145,6 +139,16 @@ def stop_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+ANY_ADDRESS = ("", "0.0.0.0", "::")
+
+
+def server_url(host: str, port: int, any_address: str) -> str:
+    """The URL of a server bound to `host` (`any_address` standing in for a bind to every address);
+    an IPv6 address in brackets."""
+    name = any_address if host in ANY_ADDRESS else host
+    return f"http://[{name}]:{port}" if ":" in name else f"http://{name}:{port}"
+
+
 def wait_until_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
     import httpx
 
@@ -178,15 +182,13 @@ def serve(opts: ServeOptions, ready_timeout_s: float = 900.0, announce: Any = pr
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if not on_gpu:
         env.setdefault("OMP_NUM_THREADS", "1")
-    # bound to every address: name the machine, as another node reaches it
-    url = f"http://{socket.getfqdn() if opts.host in ('', '0.0.0.0', '::') else opts.host}:{opts.port}"
+    url = server_url(opts.host, opts.port, socket.getfqdn())  # bound to every address: the machine's name
     proc = subprocess.Popen(server_command(model, opts, backend, on_gpu), env=env, preexec_fn=_die_with_parent)
     try:
-        wait_until_ready(proc, f"http://{'127.0.0.1' if opts.host in ('', '0.0.0.0') else opts.host}:{opts.port}",
-                         ready_timeout_s)
+        wait_until_ready(proc, server_url(opts.host, opts.port, "127.0.0.1"), ready_timeout_s)
         announce(f"rlft serve: {url} serving {model} (weight transfer: {backend}, tensor parallel "
                  f"{opts.tensor_parallel_size}, {'API key required' if opts.api_key else 'no API key: loopback only'})"
-                 + (f", LoRA up to rank {_lora_slot(opts.lora_rank)}" if opts.lora_rank else ""))
+                 + (f", LoRA up to rank {lora_slot(opts.lora_rank)}" if opts.lora_rank else ""))
         announce(f"train against it with rollout: {{engine: vllm, servers: [{url}]}}")
         return proc.wait()
     finally:

@@ -165,7 +165,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             for (name, tensor), m in zip(self.source, meta):
                 if name != m.name or tuple(tensor.shape) != m.shape:
                     raise ValueError(f"weight source order changed: {name!r} where {m.name!r} was declared")
-                broadcast(self.group, tensor.detach().to("cpu").contiguous())
+                broadcast(self.group, tensor.to("cpu").contiguous())
             received.result()
         finally:
             pool.shutdown(wait=False)  # a failed broadcast leaves the worker's call blocked: never join it

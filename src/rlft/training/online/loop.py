@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -179,8 +180,8 @@ def _rollout_source(k: int, maker: RolloutMaker, trainer_model: Any, sampler_mod
     return AsyncRollouts(maker, k, trainer_model, sampler_model, sync), SharedScorer(real, lock)
 
 
-def _engines(config: Config, policy: Any, dtype: torch.dtype | None, world: World = SINGLE,
-             run_root: Any = None) -> tuple[Engine, Engine, Any]:
+def _engines(config: Config, policy: Any, dtype: torch.dtype | None, world: World,
+             run_root: Path) -> tuple[Engine, Engine, Any]:
     """(the engine evaluations use, the engine rollouts use, the module the rollout engine samples
     from). Synchronous: one engine on the trainer's own (unsharded) module. Async: the sampler's
     engine gets its own copy of the policy; evaluations sample the live weights on the loop's
@@ -196,7 +197,7 @@ def _engines(config: Config, policy: Any, dtype: torch.dtype | None, world: Worl
                           "process (the servers sample in parallel anyway), or set rollout.async_steps=0")
     if r.servers:
         servers = dict(push=world.main, version_prefix=world.broadcast(uuid.uuid4().hex[:8]),
-                       adapter_dir=r.server.adapter_dir or (run_root / "server-adapters" if run_root else None))
+                       adapter_dir=r.server.adapter_dir or run_root / "server-adapters")
     if not r.async_steps:
         engine = rollout_engine(r, policy, config.seed, dtype, **servers)
         return engine, engine, policy.model
