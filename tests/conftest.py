@@ -103,6 +103,21 @@ class ScriptedEngine:
         return out
 
 
+class SpyEngine:
+    """The hf engine, recording what every generate call returned."""
+
+    def __init__(self, engine):
+        self.engine, self.samples = engine, []
+
+    def generate(self, prompts, params, first_prompt=0, streams=None):
+        out = self.engine.generate(prompts, params, first_prompt, streams)
+        self.samples += [(list(c.prompt_ids), list(c.completion_ids)) for c in out]
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
 def arithmetic_rows(n: int, seed: int) -> list[dict[str, Any]]:
     """Chat rows 'What is a + b?' -> 'The answer is N.' (a, b < 100, so the answer has 1-3 digits
     and rows differ in length)."""

@@ -19,6 +19,8 @@ import torch
 pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
+from conftest import SpyEngine  # noqa: E402
+
 from rlft.config import AgentConfig, LoraConfig, ModelConfig  # noqa: E402
 from rlft.models.loading import load_policy  # noqa: E402
 from rlft.rollout.agent.build import agent_driver  # noqa: E402
@@ -92,21 +94,6 @@ async def refused(client, row):
     Path(__file__).with_name("refused.json").write_text(json.dumps(out))
     return 0.0
 '''
-
-
-class SpyEngine:
-    """The hf engine, recording what every generate call returned."""
-
-    def __init__(self, engine):
-        self.engine, self.samples = engine, []
-
-    def generate(self, prompts, params, first_prompt=0, streams=None):
-        out = self.engine.generate(prompts, params, first_prompt, streams)
-        self.samples += [(list(c.prompt_ids), list(c.completion_ids)) for c in out]
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
 
 
 @pytest.fixture(scope="module")

@@ -45,9 +45,19 @@ def existing(value: str) -> str:
     return absolute(value) if os.path.exists(os.path.expanduser(value)) else value
 
 
+# data sources that are no path here: a hub dataset, a generated task, a verifiers environment's dataset
+NAMED_SOURCES = ("hf:", "reasoning_gym:", "verifiers:")
+
+
+def is_named_source(value: str) -> bool:
+    """`value` names a data source that is not a local path ('hf:NAME', 'reasoning_gym:TASK',
+    'verifiers:train')."""
+    return value.startswith(NAMED_SOURCES)
+
+
 def data_location(value: str) -> str:
-    """A data source: 'hf:NAME' and 'reasoning_gym:TASK' as written, else as `existing`."""
-    return value if value.startswith(("hf:", "reasoning_gym:")) else existing(value)
+    """A data source: a named one (`is_named_source`) as written, else as `existing`."""
+    return value if is_named_source(value) else existing(value)
 
 
 def function_ref(value: str) -> str:
@@ -183,7 +193,7 @@ def model_dir_problem(path: str | os.PathLike, arg: str, what: str = "a model fo
 
 def data_file_problem(path: str, arg: str) -> str | None:
     """`path` (given as `arg`) is an existing file of another kind than the data readers take."""
-    if path.startswith(("hf:", "reasoning_gym:")):
+    if is_named_source(path):
         return None
     p = _existing(path)
     if p is None or os.path.isdir(p) or not _wrong_file(p, DATA_SUFFIXES):  # a folder: a saved HF dataset

@@ -31,11 +31,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rlft.api import train
 from rlft.config import Config, apply_override, load_config
 from rlft.config.load import load_yaml
+from rlft.data.fingerprint import training_sources
 from rlft.data.readers import looks_like_windows
 from rlft.errors import ConfigError
 from rlft.monitor.catalogue import preflight
 from rlft.monitor.console import console
 from rlft.monitor.rundir import RunDir
+from rlft.paths import is_named_source
 
 STAGE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
@@ -144,12 +146,11 @@ def plan_pipeline(path: str | Path, overrides: list[str] | None = None) -> tuple
 def _check_stage(stage: Stage, cfg: Config) -> None:
     """What a stage reads that exists before the pipeline runs (its data files) and its late
     settings (eval, best-checkpoint and early-stop metrics), checked before the first stage trains."""
-    for field in ("train", "eval"):
-        source = getattr(cfg.data, field)
-        if source and not source.startswith("hf:") and not Path(source).exists():
+    for setting, source in training_sources(cfg) + [("data.eval", cfg.data.eval)]:
+        if source and not is_named_source(source) and not Path(source).exists():
             hint = (f"write it with '/' ({source!r} is a Windows-style path)" if looks_like_windows(source)
                     else "correct the path (relative paths are read from the working directory)")
-            raise ConfigError(f"stage {stage.name}: data.{field} not found: {source}\nFix: {hint}")
+            raise ConfigError(f"stage {stage.name}: {setting} not found: {source}\nFix: {hint}")
     try:
         preflight(cfg)
     except ConfigError as exc:

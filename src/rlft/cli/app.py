@@ -163,7 +163,11 @@ def eval(
     cfg, rewards = EvalConfig(), [RewardSpec(fn=r) for r in reward or []]
     seed, max_prompt, scoring, max_row_bytes = 0, 4096, None, None
     if settings is not None:  # a config, or the run's own settings, so the numbers compare with its own
-        cfg, rewards, seed, scoring = settings.eval, rewards or settings.rewards, settings.seed, settings.scoring
+        from rlft.rollout.agent import reward_specs
+
+        # (a verifiers environment's rewards: its rubric's)
+        rewards = reward_specs(rewards or settings.rewards, settings.agent)
+        cfg, seed, scoring = settings.eval, settings.seed, settings.scoring
         max_prompt, max_row_bytes = settings.data.max_prompt_length, settings.data.max_row_bytes
     updates = {k: v for k, v in dict(num_samples=samples, temperature=temperature,
                                       max_new_tokens=max_new_tokens).items() if v is not None}

@@ -37,8 +37,9 @@ class ModelPlumbing:
     def __init__(self, config: Any):
         from rlft.eval.parts import EvalParts
         from rlft.rollout import sampling_params
+        from rlft.rollout.agent import reward_specs
 
-        if not config.rewards:
+        if not reward_specs(config.rewards, config.agent):
             raise ConfigError("rlft data: the config has no rewards; add e.g. rewards: [{fn: math}]")
         self.parts = EvalParts.from_config(config)  # the prompts are checked when read (`_prompts`)
         self.tokenizer, self.engine, self.driver = self.parts.policy.tokenizer, self.parts.engine, self.parts.driver
@@ -80,7 +81,7 @@ def _prompts(config: Any, plumbing: Plumbing) -> tuple[list[Any], list[Any]]:
     if not isinstance(config.data.train, str):
         raise ConfigError("rlft data: data.train lists several sources; screen or pair one file at a time "
                           "(override it: data.train=FILE)")
-    rows = read_rows(config.data.train, config.data.split)
+    rows = read_rows(config.data.train, config.data.split, agent=config.agent)
     encode = make_prompt_encoder(plumbing.tokenizer, config.data.max_prompt_length, getattr(plumbing, "required", ()))
     examples = check_rows(rows, encode, config.data.train, "prompt", config.data.on_invalid)
     parts = getattr(plumbing, "parts", None)

@@ -30,6 +30,7 @@ def check_launch(config: Config, nproc: int) -> None:
     """What every rank would find out for itself, found once: raises an RlftError for a mistake
     and prints the memory plan's warning (all N ranks of this machine count against its RAM on
     CPU; each rank has its own GPU on CUDA)."""
+    from rlft.data.fingerprint import training_sources
     from rlft.data.readers import check_source
     from rlft.models.gguf import gguf_source
     from rlft.models.loading import resolve_device
@@ -45,9 +46,7 @@ def check_launch(config: Config, nproc: int) -> None:
 
         check_async_ranks(config)
     preflight(config)
-    data = config.data
-    sources = [data.train] if isinstance(data.train, str) else [s.path for s in data.train]
-    for name, source in [("data.train", s) for s in sources] + [("data.eval", data.eval)] + \
+    for name, source in training_sources(config) + [("data.eval", config.data.eval)] + \
             [(f"eval.suites.{s.name}", s.data) for s in config.eval.suites]:
         if source is not None:
             check_source(source, name)

@@ -183,7 +183,10 @@ class AgentConfig(Section):
                           "'gem:<env id>' (gem-llm's games, e.g. gem:game:GuessTheNumber-v0-easy; pip install "
                           "'rlft[gem]'), or 'openenv:http://HOST:PORT' / 'openenv:module:Class' (an OpenEnv "
                           "server, or one served in this process; pip install 'rlft[openenv]'). One instance per "
-                          "episode, made as Class(seed=..., **environment_args).")
+                          "episode, made as Class(seed=..., **environment_args). Or 'verifiers:my_env' / "
+                          "'verifiers:path/env.py': a verifiers environment (load_environment(**environment_args)) "
+                          "that runs its own rollouts and rubric through the policy's endpoint, as agent.program "
+                          "does; pip install 'rlft[verifiers]'.")
     environment_args: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments for the environment's class (for gem: gem.make; for "
                                           "openenv: its reset, besides action_field, observation_field and "
@@ -245,11 +248,24 @@ class AgentConfig(Section):
         if self.program is not None and (self.tools or self.environment):
             raise ValueError("agent.program runs its own loop (its tools go through the OpenAI tools API): drop "
                              "agent.tools and agent.environment, or drop agent.program")
+        if self.environment is not None and self.environment.startswith("verifiers:"):
+            if self.tools:
+                raise ValueError(f"agent.environment {self.environment!r} runs its own rollouts (a vf.ToolEnv brings "
+                                 "its tools): drop agent.tools")
         return self
 
     @field_validator("environment")
     @classmethod
     def _environment_ref(cls, value: str | None) -> str | None:
+        if value is not None and value.startswith("verifiers:"):
+            target = value[len("verifiers:"):]
+            if not target or ":" in target:
+                raise ValueError(f"agent.environment {value!r}: write it as 'verifiers:my_env' (an importable module "
+                                 "or installed environment) or 'verifiers:path/env.py', whose load_environment "
+                                 "makes the environment")
+            if target.endswith(".py"):
+                return "verifiers:" + paths.existing(_local(target, f"agent.environment {value!r}"))
+            return value
         if value is None or value.startswith("gem:"):
             if value == "gem:":
                 raise ValueError("agent.environment 'gem:' names no environment; write e.g. "

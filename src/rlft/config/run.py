@@ -30,7 +30,9 @@ class Config(Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
-    rewards: list[RewardSpec] = Field(default_factory=list, description="Reward components (online methods).")
+    rewards: list[RewardSpec] = Field(default_factory=list, description=(
+        "Reward components (online methods). Left out with a verifiers environment (agent.environment: "
+        "verifiers:...): its rubric, one program component per rubric function with the rubric's weight."))
     agent: AgentConfig | None = Field(
         None, description="Multi-turn rollouts with tools and/or an environment (None: single-turn).")
     scoring: ScoringConfig = Field(default_factory=ScoringConfig)
@@ -99,6 +101,11 @@ class Config(Section):
                 raise ValueError(f"agent: tools are used in online rollouts and in SFT on tool-use transcripts; "
                                  f"method {self.method} does neither (drop the agent section, or use sft or an "
                                  "online method such as grpo)")
+        verifiers = self.agent is not None and (self.agent.environment or "").startswith("verifiers:")
+        named = [s for s in (self.data.train, self.data.eval) if isinstance(s, str) and s.startswith("verifiers:")]
+        if named and not verifiers:
+            raise ValueError(f"data source {named[0]!r} reads the dataset of agent.environment 'verifiers:...', and "
+                             "agent.environment names none; set it (e.g. agent.environment: verifiers:my_env)")
         env_rewards = [r.component for r in self.rewards if r.fn == "environment"]
         if env_rewards and (self.agent is None or self.agent.environment is None):
             raise ValueError(f"rewards: {env_rewards[0]!r} (fn: environment) scores by an environment's rewards, "
@@ -112,7 +119,7 @@ class Config(Section):
                 raise ValueError(
                     f"rollout.group_size is {self.rollout.group_size}; group-relative methods need at least 2 "
                     "completions per prompt (8 or 16 is typical)")
-            if not self.rewards:
+            if not self.rewards and not verifiers:  # a verifiers environment's rewards are its rubric's
                 raise ValueError("rewards: an online method needs at least one reward component, e.g. "
                                  "rewards: [{fn: math}]")
             a = self.algorithm

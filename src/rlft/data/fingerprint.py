@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from rlft.config import Config
+from rlft.paths import is_named_source
 
 WHOLE_HASH_MAX = 64 << 20  # files up to this size are hashed whole
 ENDS = 1 << 20  # beyond it: the first and the last MiB
@@ -48,7 +49,7 @@ def data_fingerprints(config: Config) -> dict[str, dict[str, Any]]:
 def fingerprint(location: str) -> dict[str, Any] | None:
     """The fingerprint of a local source (see the module docstring); None for a hub dataset or a
     generated task, or a path that does not exist now (its reader says so)."""
-    if location.startswith(("hf:", "reasoning_gym:")):
+    if is_named_source(location):
         return None
     path = Path(location)
     if path.is_file():

@@ -13,15 +13,18 @@ from rlft.data.reasoning_gym import is_reasoning_gym, read_reasoning_gym
 from rlft.data.row import Row
 from rlft.errors import DataError
 from rlft.models.hub import hub_unreachable, offline
+from rlft.paths import is_named_source
 
 # data.max_row_bytes: callers that do not pass the setting still get the guard at its default
 DEFAULT_MAX_ROW_BYTES: int = DataConfig.model_fields["max_row_bytes"].default
 
 
-def read_rows(source: str, split: str = "train", max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> list[Row]:
+def read_rows(source: str, split: str = "train", max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
+              agent: Any = None) -> list[Row]:
     """The rows of a dataset; a row over `max_row_bytes` is an invalid row (reported by validation,
-    never parsed further: tokenizing a 50 MB line took minutes and gigabytes)."""
-    rows = _read(source, split, max_row_bytes)
+    never parsed further: tokenizing a 50 MB line took minutes and gigabytes). `agent`: the run's
+    agent section, whose verifiers environment `verifiers:train` / `verifiers:eval` read."""
+    rows = _read(source, split, max_row_bytes, agent)
     if Path(source).suffix.lower() == ".jsonl":  # checked line by line, before parsing
         return rows
     return [_limit(row, max_row_bytes) for row in rows]
@@ -29,18 +32,22 @@ def read_rows(source: str, split: str = "train", max_row_bytes: int = DEFAULT_MA
 
 def check_source(source: str, setting: str = "data.train / data.eval") -> None:
     """A local data source exists (a hub dataset, 'hf:NAME', is found when it is read)."""
-    if not source.startswith(("hf:", "reasoning_gym:")) and not Path(source).exists():
+    if not is_named_source(source) and not Path(source).exists():
         raise DataError(f"data file not found: {source}\nFix: " + (
             f"{source!r} is written in Windows style (a drive letter or backslashes), which this system does "
             f"not read as a path; write it with '/', e.g. {windows_to_posix(source)!r}"
             if looks_like_windows(source) else f"check {setting}, or use 'hf:NAME' for a hub dataset"))
 
 
-def _read(source: str, split: str, max_row_bytes: int) -> list[Row]:
+def _read(source: str, split: str, max_row_bytes: int, agent: Any) -> list[Row]:
     if source.startswith("hf:"):
         return _read_hub(source[3:], split)
     if is_reasoning_gym(source):
         return read_reasoning_gym(source, split)
+    if source.startswith("verifiers:"):
+        from rlft.rollout.agent.verifiers_env import dataset_records  # lazy: verifiers, an optional extra
+
+        return [Row(where, data) for where, data in dataset_records(source, agent)]
     check_source(source)
     path = Path(source)
     if path.is_dir():

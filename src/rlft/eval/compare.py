@@ -310,7 +310,8 @@ def answer_prompts(model_dir: Path, data: str, cfg: EvalConfig, *, seed: int, sp
     driver, with its tools and limits; the answer is the last assistant turn); the model is
     released before returning, so two models are never loaded at once."""
     policy, examples = load_with_prompts(model_dir, data, split=split, max_prompt_length=max_prompt_length,
-                                         device=device, required_fields=required_fields, max_row_bytes=max_row_bytes)
+                                         device=device, required_fields=required_fields, max_row_bytes=max_row_bytes,
+                                         agent=agent)
     warn_if_cut(cfg, len(examples), data)
     parts = EvalParts.build(policy, seed=seed, engine=engine, batch_size=cfg.batch_size, vllm=vllm, agent=agent,
                             prompt_sets=[examples], max_prompt_length=max_prompt_length)

@@ -11,7 +11,7 @@ from rlft.config import AgentConfig, Config, VllmSettings
 from rlft.models.loading import LoadedModel, load_policy
 from rlft.rewards.scoring import RewardScorer, build_scorer
 from rlft.rollout import Engine, build_engine
-from rlft.rollout.agent import agent_driver, check_prompts_with_tools
+from rlft.rollout.agent import agent_driver, check_prompts_with_tools, reward_specs
 from rlft.rollout.agent.turns import TurnDriver
 
 
@@ -43,7 +43,8 @@ class EvalParts:
                     prompt_sets: Sequence[Sequence[Any]] = ()) -> "EvalParts":
         """A config's own parts: its rewards (checked before the model loads), its model, the engine
         and sampling `rollout` sets, its `agent`."""
-        scorer = build_scorer(config.rewards, config.scoring) if config.rewards else None
+        rewards = reward_specs(config.rewards, config.agent)
+        scorer = build_scorer(rewards, config.scoring) if rewards else None
         policy = policy or load_policy(config.model, config.lora)
         r = config.rollout
         return cls.build(policy, seed=config.seed, engine=r.engine, batch_size=r.batch_size, vllm=r.vllm,

@@ -19,6 +19,7 @@ from rlft.eval.suites import prepare_suites, run_suites
 from rlft.models.loading import LoadedModel, is_adapter_export, load_adapter_export, load_policy
 from rlft.monitor.console import console
 from rlft.rewards.scoring import RewardScorer, build_scorer
+from rlft.rollout.agent import reward_specs
 
 
 def resolve_model(target: str | Path) -> tuple[Path, Path | None]:
@@ -39,11 +40,12 @@ def evaluate_model(target: str | Path, data: str, rewards: list[RewardSpec], cfg
     """`agent`: each answer is a multi-turn episode with these tools and limits (a run's own agent
     section, so its numbers compare with the run's)."""
     model_dir, _ = resolve_model(target)
+    rewards = reward_specs(rewards, agent)  # a verifiers environment's: its rubric's
     scorer = build_scorer(rewards, scoring) if rewards else None
     check_correct_component(cfg, scorer)  # before the model loads and anything is generated
     policy, examples = load_with_prompts(model_dir, data, split=split, max_prompt_length=max_prompt_length,
                                          device=device, required_fields=scorer.required_fields if scorer else (),
-                                         max_row_bytes=max_row_bytes)
+                                         max_row_bytes=max_row_bytes, agent=agent)
     warn_if_cut(cfg, len(examples), data)
     with EvalParts.build(policy, seed=seed, engine=engine, batch_size=cfg.batch_size, vllm=vllm, agent=agent,
                          prompt_sets=[examples], max_prompt_length=max_prompt_length, scorer=scorer) as parts:
@@ -97,12 +99,13 @@ def load_model_dir(model_dir: Path, device: str = "auto") -> LoadedModel:
 
 def load_with_prompts(model_dir: Path, data: str, *, split: str = "train", max_prompt_length: int = 4096,
                       device: str = "auto", required_fields: tuple[str, ...] = (),
-                      max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> tuple[LoadedModel, list[PromptExample]]:
+                      max_row_bytes: int = DEFAULT_MAX_ROW_BYTES, agent: AgentConfig | None = None,
+                      ) -> tuple[LoadedModel, list[PromptExample]]:
     """The model of a folder and the data's prompt rows, encoded with its own tokenizer and chat
     template (rows missing a field in `required_fields` are reported before anything is generated)."""
     policy = load_model_dir(model_dir, device)
     encode = make_prompt_encoder(policy.tokenizer, max_prompt_length, required_fields)
-    return policy, check_rows(read_rows(data, split, max_row_bytes), encode, data, "eval prompt")
+    return policy, check_rows(read_rows(data, split, max_row_bytes, agent), encode, data, "eval prompt")
 
 
 def run_settings(run_dir: Path, overrides: list[str] | None = None) -> Config:

@@ -9,6 +9,7 @@ from typing import Any
 
 from rlft.errors import ConfigError
 from rlft.models.loading import resolve_device
+from rlft.rollout.agent.verifiers_env import reward_specs
 
 _STEP = ("step", "lr", "grad_norm", "loss", "nonfinite_skipped")
 _ONLINE = (
@@ -132,7 +133,7 @@ def check_metric_setting(setting: str, name: str | None, config: Any, components
 def preflight(config: Any) -> None:
     """Settings that are only read late in a run (the evaluation, the best-checkpoint metric,
     early stopping), checked before the first step so a typo costs seconds, not a run."""
-    components = [spec.component for spec in config.rewards]
+    components = [spec.component for spec in reward_specs(config.rewards, config.agent)]
     name = config.eval.correct_component
     if name is not None:
         if not components:

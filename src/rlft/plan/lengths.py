@@ -103,7 +103,7 @@ def data_lengths(config: Config, limit: int = SCAN_ROWS) -> DataLengths | None:
         encode = _encoder(config, tokenizer)
         longest, scanned, total = (0, 0, 0), 0, 0
         for source in _sources(config):
-            rows = read_rows(source, config.data.split, config.data.max_row_bytes)
+            rows = read_rows(source, config.data.split, config.data.max_row_bytes, config.agent)
             total += len(rows)
             step = max(1, -(-len(rows) // limit))  # every step-th row: at most `limit` per source
             for row in rows[::step]:

@@ -58,6 +58,10 @@ def agent_driver(cfg: AgentConfig | None, engine: Any, tokenizer: Any, example_s
         from rlft.rollout.agent.program import program_driver  # lazy: needs the openai extra (FastAPI, uvicorn)
 
         return program_driver(cfg, engine, tokenizer, pick_parser(cfg.parser, tokenizer.chat_template))
+    if cfg.environment is not None and cfg.environment.startswith("verifiers:"):
+        from rlft.rollout.agent.verifiers_env import verifiers_driver  # lazy: verifiers and the openai extra
+
+        return verifiers_driver(cfg, engine, tokenizer, pick_parser(cfg.parser, tokenizer.chat_template))
     driver = turn_driver(cfg, engine, tokenizer, seed, max_prompt_length, should_stop)
     for examples in example_sets:
         check_prompts_with_tools(driver, examples, max_prompt_length, cfg.max_total_tokens)

@@ -183,6 +183,9 @@ def load_environment(ref: str, args: dict[str, Any], run_seed: int,
     checked before training starts."""
     if ref.startswith(GEM_PREFIX):
         return EnvironmentSource(ref, gem_factory(ref[len(GEM_PREFIX):], args), run_seed, None, max_prompt_tokens)
+    if ref.startswith("verifiers:"):  # agent_driver runs these as agent programs (rollout/agent/verifiers_env.py)
+        raise ConfigError(f"agent.environment {ref!r}: a verifiers environment runs its own rollouts; it is not "
+                          "stepped by the turn driver")
     if ref.startswith(OPENENV_PREFIX):
         return EnvironmentSource(ref, openenv_factory(ref[len(OPENENV_PREFIX):], args), run_seed, None,
                                  max_prompt_tokens)

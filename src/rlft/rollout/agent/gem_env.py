@@ -27,19 +27,27 @@ from rlft.errors import ConfigError
 INSTALL_HINT = "agent.environment 'gem:...' needs the gem-llm package: pip install 'rlft[gem]'"
 
 
-def import_gem() -> Any:
-    """gem, imported once; GEM configures the root logger on import (INFO to stderr), which would
-    print every library's INFO lines in the trainer's console, so that is undone."""
+@contextlib.contextmanager
+def root_logging_kept() -> Iterator[None]:
+    """The root logger's handlers and level put back as they were: GEM (and verifiers) configure it
+    on import (INFO to stderr), which would print every library's INFO lines in the trainer's console."""
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     try:
-        import gem
-    except ImportError:
-        raise ConfigError(INSTALL_HINT) from None
+        yield
     finally:
         for handler in [h for h in root.handlers if h not in handlers]:
             root.removeHandler(handler)
         root.setLevel(level)
+
+
+def import_gem() -> Any:
+    """gem, imported once, the root logger kept."""
+    with root_logging_kept():
+        try:
+            import gem
+        except ImportError:
+            raise ConfigError(INSTALL_HINT) from None
     return gem
 
 

@@ -38,7 +38,7 @@ from rlft.monitor.stats import world_sums
 from rlft.rewards.calls import ScoringInterrupted
 from rlft.rewards.scoring import RewardScorer, Scores, build_scorer
 from rlft.rollout import Engine, build_engine, rollout_dtype, rollout_engine, sampling_params
-from rlft.rollout.agent import agent_driver
+from rlft.rollout.agent import agent_driver, reward_specs
 from rlft.rollout.batch import RolloutBatch
 from rlft.rollout.contract import trained_segments
 from rlft.rollout.hf import HFEngine
@@ -58,10 +58,11 @@ PROGRESS_KEYS = ["reward/mean", "kl", "entropy", "completion/length_mean", "clip
 
 
 def load_prompts(data: DataConfig, tokenizer: Any, source: str, split: str, kind: str,
-                 required: tuple[str, ...] = ()) -> list[PromptExample]:
-    """Prompt rows, each checked (and `required` fields present: what the rewards read)."""
+                 required: tuple[str, ...] = (), agent: Any = None) -> list[PromptExample]:
+    """Prompt rows, each checked (and `required` fields present: what the rewards read); `agent`
+    the run's agent section (a verifiers environment's datasets are data sources)."""
     encode = make_prompt_encoder(tokenizer, data.max_prompt_length, required)
-    return check_rows(read_rows(source, split, data.max_row_bytes), encode, source, kind, data.on_invalid)
+    return check_rows(read_rows(source, split, data.max_row_bytes, agent), encode, source, kind, data.on_invalid)
 
 
 def run_online(config: Config, world: World = SINGLE, trim_heap: bool = True) -> dict[str, Any]:
@@ -115,9 +116,10 @@ def build_online(config: Config, session: TrainingSession, sample_dtype: torch.d
     scorer = _scorer(config, session)
     needs = scorer.required_fields
     train_rows = read_train_rows(d, config.seed, lambda path: load_prompts(d, policy.tokenizer, path, d.split,
-                                                                           "prompt", needs))
+                                                                           "prompt", needs, config.agent))
     prompts = train_rows.examples
-    evals = load_prompts(d, policy.tokenizer, d.eval, d.eval_split or d.split, "eval prompt", needs) if d.eval else []
+    evals = load_prompts(d, policy.tokenizer, d.eval, d.eval_split or d.split, "eval prompt", needs,
+                         config.agent) if d.eval else []
     suites = prepare_suites(config.eval.suites, policy.tokenizer, d.max_prompt_length, d.on_invalid, sc)
     sft_mix = build_sft_mix(config, policy.tokenizer, world)
     correct = config.eval.correct_component or scorer.components[0][0]
@@ -154,7 +156,8 @@ def build_online(config: Config, session: TrainingSession, sample_dtype: torch.d
 
 
 def _scorer(config: Config, session: TrainingSession) -> RewardScorer:
-    return build_scorer(config.rewards, config.scoring, should_stop=_stop_request(config, session), warn=None)
+    return build_scorer(reward_specs(config.rewards, config.agent), config.scoring,
+                        should_stop=_stop_request(config, session), warn=None)
 
 
 def _stop_request(config: Config, session: TrainingSession) -> Any:
