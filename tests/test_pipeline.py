@@ -175,3 +175,20 @@ def test_a_dpo_stage_starts_from_the_sft_export_and_learns_the_preferences(tmp_p
     ev = results["dpo"]
     assert ev["eval/loss"] < math.log(2) - 0.005 and ev["eval/rewards/margin"] > 0.01
     assert ev["eval/rewards/accuracy"] > 0.5
+
+
+def test_a_stages_data_sources_are_checked_as_training_reads_them(files):
+    """A generated task is no path, a mix's sources are each checked, and a missing one is named
+    by its setting (a mix used to crash the check, a reasoning_gym source to fail it)."""
+    root, configs, prompts, rewards = files
+    mixed = _online("m", prompts, rewards, root / "x", data={"train": [
+        {"path": str(prompts), "weight": 1.0}, {"path": "reasoning_gym:basic_arithmetic", "weight": 1.0}]})
+    _write(configs / "mixed.yaml", mixed)
+    pipe = _write(configs / "pipe.yaml", {"output_dir": str(root / "pipe"),
+                                          "stages": [{"name": "a", "config": "mixed.yaml", "from": "none"}]})
+    [(_, cfg)] = plan_pipeline(pipe)[1]
+    assert [s.path for s in cfg.data.train] == [str(prompts), "reasoning_gym:basic_arithmetic"]
+    mixed["data"]["train"][1]["path"] = str(root / "gone.jsonl")
+    _write(configs / "mixed.yaml", mixed)
+    with pytest.raises(ConfigError, match=r"stage a: data.train\[1\] not found: .*gone.jsonl"):
+        plan_pipeline(pipe)
