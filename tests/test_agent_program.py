@@ -176,7 +176,37 @@ def test_a_failing_program_ends_its_episode_with_nothing_trained(policy, program
     from rlft.rollout.agent.turns import episode_metrics
 
     metrics = episode_metrics(out)
-    assert metrics[f"agent/errors/{error}"] == 4.0
+    assert metrics[f"agent/errors/{error}"] == 4.0 and metrics["agent/program_error_rate"] == 1.0
+
+
+def test_a_program_that_fails_every_episode_is_said_at_step_2_once(tmp_path, qwen_path, programs, capsys,
+                                                                   monkeypatch):
+    """The health monitor's tool_errors detector sees a program's failed episodes as it sees failed
+    tool calls: one warning at step 2 naming the kind and its fix, and one event."""
+    from rlft.api import train
+
+    monkeypatch.setenv("COLUMNS", "250")
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"Count to {i}."}) + "\n"
+                                                    for i in range(8)))
+    run = tmp_path / "run"
+    summary = train({"method": "grpo", "output_dir": str(run), "seed": 0,
+                     "model": {"path": str(qwen_path), "device": "cpu"},
+                     "data": {"train": str(tmp_path / "prompts.jsonl")},
+                     "training": {"learning_rate": 1e-3, "max_steps": 3, "num_threads": 1},
+                     "rollout": {"group_size": 2, "prompts_per_step": 2, "max_new_tokens": 8},
+                     "agent": {"program": f"{programs}:raises", "max_total_tokens": 64},
+                     "rewards": [{"fn": "program"}], "logging": {"progress": False}})
+    torch.set_num_threads(1)
+    assert summary["status"] == "completed"
+    out = capsys.readouterr()
+    said = " ".join((out.out + out.err).split())
+    line = ("warn: tool_errors at step 2: every agent program episode failed in each of the last 2 steps "
+            "(program_raised: 8), so nothing is trained")
+    assert said.count("warn: tool_errors") == 1 and line in said, said
+    assert "the log has each traceback" in said.split(line, 1)[1]
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    [event] = [e for e in events if e.get("detector") == "tool_errors"]
+    assert event["values"]["agent/program_error_rate"] == 1.0 and event["values"]["errors/program_raised"] == 8
 
 
 def test_the_endpoint_refuses_what_it_cannot_record_with_a_400_naming_it(policy, programs):

@@ -123,12 +123,16 @@ class TruncationSettings(Section):
 
 class ToolErrorsSettings(Section):
     metric: str = Field("agent/tool_error_rate", description=METRIC + " Logged by runs with agent.tools.")
+    program_metric: str = Field("agent/program_error_rate", description=(
+        "The share of an agent program's episodes that failed (raised, timed out, never called the model); logged "
+        "by runs with agent.program or a verifiers environment, and held to the same min_rate."))
     metrics: list[str] = Field(
         default_factory=lambda: [f"agent/errors/{kind}" for kind in ("malformed", "unknown_tool", "bad_arguments",
                                                                      "raised", "timeout", "bad_result",
-                                                                     "too_many_calls")],
-        description="Failed calls per kind (rollout/agent/tools.py ERROR_KINDS), named in the message with the fix "
-                    "for the most frequent one.")
+                                                                     "too_many_calls", "program_raised",
+                                                                     "program_timeout", "program_no_call")],
+        description="Failed calls (and failed program episodes) per kind (rollout/agent/tools.py EPISODE_ERRORS), "
+                    "named in the message with the fix for the most frequent one.")
     smooth: int = Field(2, ge=1, description=SMOOTH + " Two: said within the first steps, not on one unlucky batch.")
     min_rate: float = Field(
         1.0, gt=0, le=1, description="Failed share that fires (at or above it): every call, so the model never "

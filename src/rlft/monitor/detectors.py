@@ -361,27 +361,48 @@ _TOOL_FIXES = {
     "unknown_tool": "the model calls tools that are not in agent.tools: check their names",
     "bad_arguments": "the model's arguments do not fit the tools' signatures: check their docstrings and type hints",
     "too_many_calls": "the model makes more calls per turn than agent.max_calls_per_turn",
+    "program_raised": "the agent program raises: the log has each traceback (a warning per episode); run it by hand "
+                      "on a row of the data",
+    "program_timeout": "the agent program runs past agent.episode_timeout_s: raise the limit, or bound its loop",
+    "program_no_call": "the agent program returns without calling the model: it must send its requests with the "
+                       "client it is given (its base_url and key are the run's endpoint)",
 }
 
 
+_PROGRAM = ("program_raised", "program_timeout", "program_no_call")  # rollout/agent/tools.py PROGRAM_ERRORS
+
+
 @detector("tool_errors")
-def tool_errors(history: AnyHistory, *, metric: str, metrics: list[str], smooth: int,
+def tool_errors(history: AnyHistory, *, metric: str, program_metric: str, metrics: list[str], smooth: int,
                 min_rate: float) -> Alert | None:
     """An agent's failed tool calls at or above the share `min_rate` (by default every call) over the
-    last `smooth` records: the model never reads a tool's result. The message names the kinds
-    (`metrics`, counts per step) and the fix for the most frequent one."""
-    now = _current(series(history, metric), smooth)
-    if now is None or now < min_rate:
-        return None
-    kinds = {key.rsplit("/", 1)[-1]: sum(v for _, v in series(history, key)[-smooth:]) for key in metrics}
-    seen = sorted(((n, kind) for kind, n in kinds.items() if n > 0), reverse=True)
+    last `smooth` records: the model never reads a tool's result; or, with an agent program, its
+    failed episodes (`program_metric`: raised, timed out, never called the model) at that share:
+    nothing is trained. The message names the kinds (`metrics`, counts per step) and the fix for the
+    most frequent one."""
+    program = _current(series(history, program_metric), smooth) if program_metric else None
+    if program is not None and program >= min_rate:
+        metric, now, kinds = program_metric, program, [k for k in metrics if k.rsplit("/", 1)[-1] in _PROGRAM]
+    else:
+        now, kinds = _current(series(history, metric), smooth), [k for k in metrics
+                                                                  if k.rsplit("/", 1)[-1] not in _PROGRAM]
+        if now is None or now < min_rate:
+            return None
+    counted = {key.rsplit("/", 1)[-1]: sum(v for _, v in series(history, key)[-smooth:]) for key in kinds}
+    seen = sorted(((n, kind) for kind, n in counted.items() if n > 0), reverse=True)
     counts = f" ({', '.join(f'{kind}: {n:g}' for n, kind in seen)})" if seen else ""
     fix = f": {_TOOL_FIXES[seen[0][1]]}" if seen and seen[0][1] in _TOOL_FIXES else ""
-    if now >= 1.0:
-        what = f"every tool call failed {_in_each(smooth)}{counts}: the model never gets a tool's result"
+    if metric == program_metric:
+        what = (f"every agent program episode failed {_in_each(smooth)}{counts}" if now >= 1.0 else
+                f"{metric} {_g(now)}{_over(smooth)}{counts}: most agent program episodes fail")
+        what += ", so nothing is trained (a failed episode has reward 0 and no tokens)"
+    elif now >= 1.0:
+        what = (f"every tool call failed {_in_each(smooth)}{counts}: the model never gets a tool's result, so the "
+                "run learns nothing about using its tools")
     else:
-        what = f"{metric} {_g(now)}{_over(smooth)}{counts}: the model rarely gets a tool's result"
-    return Alert("tool_errors", _last_step(history), f"{what}, so the run learns nothing about using its tools{fix}",
+        what = (f"{metric} {_g(now)}{_over(smooth)}{counts}: the model rarely gets a tool's result, so the run "
+                "learns nothing about using its tools")
+    return Alert("tool_errors", _last_step(history), f"{what}{fix}",
                  {metric: now, **{f"errors/{kind}": n for n, kind in seen}})
 
 

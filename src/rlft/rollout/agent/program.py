@@ -16,7 +16,8 @@ group.
 
 A program that raises, outlives `agent.episode_timeout_s`, or never calls the model ends its
 episode with nothing to train and reward 0; `agent/errors/program_*` counts each kind (as failed
-tool calls are counted) and the health monitor's tool_errors detector sees them.
+tool calls are counted), `agent/program_error_rate` is their share of the step's episodes, and the
+health monitor's tool_errors detector sees it.
 """
 
 from __future__ import annotations

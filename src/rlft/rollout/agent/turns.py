@@ -47,7 +47,8 @@ from rlft.models.template import Messages, encode_text, end_of_turn_ids
 from rlft.rollout.agent.environments import (EnvironmentSource, EpisodeEnv, EpisodeRow, default_rows, env_counts,
                                              env_metrics)
 from rlft.rollout.agent.tool_calls import Parser, hermes
-from rlft.rollout.agent.tools import EPISODE_ERRORS, ERROR_KINDS, PendingCall, Tool, ToolResult, start_call
+from rlft.rollout.agent.tools import (EPISODE_ERRORS, ERROR_KINDS, PROGRAM_ERRORS, PendingCall, Tool, ToolResult,
+                                     start_call)
 from rlft.rollout.continuous import TurnRequest
 from rlft.rollout.contract import Completion, Engine, Episode, SamplingParams
 
@@ -449,7 +450,8 @@ def episode_counts(completions: Sequence[Completion]) -> dict[str, float]:
               "ended_on_error": float(sum(r.ended_on_error for r in records)),
               "latency_sum": sum(latency), "latency_n": float(len(latency)), "latency_max": max(latency, default=0.0),
               "drift_sum": float(sum(drift)), "drift_n": float(len(drift)), "drifted": float(sum(d > 0 for d in drift)),
-              "prefix_breaks": float(sum(r.prefix_breaks for r in records))}
+              "prefix_breaks": float(sum(r.prefix_breaks for r in records)),
+              "programs": float(sum(r.program_ok is not None for r in records))}
     counts.update({f"errors/{kind}": float(sum(r.errors.get(kind, 0) for r in records)) for kind in EPISODE_ERRORS})
     counts.update(env_counts(records))
     return counts
@@ -476,6 +478,8 @@ def episode_metrics(completions: Sequence[Completion], reduce: Any = None) -> di
            "agent/ended_on_error": c["ended_on_error"],
            "agent/tool_latency_mean_s": c["latency_sum"] / c["latency_n"] if c["latency_n"] else 0.0,
            "agent/tool_latency_max_s": c["latency_max"]}
+    if c["programs"]:  # an agent program's episodes: the share that raised, timed out or never called the model
+        out["agent/program_error_rate"] = sum(c[f"errors/{kind}"] for kind in PROGRAM_ERRORS) / c["programs"]
     if c["prefix_breaks"]:
         out["agent/prefix_breaks"] = c["prefix_breaks"]
     if c["drift_n"]:
