@@ -25,6 +25,9 @@ VERIFIERS_NODEPS ?= verifiers==0.3.1 aiofiles==25.1.0 aiolimiter==1.3.0 connectr
   httpx-sse==0.4.3 msgpack==1.2.4 openai-agents==0.24.0 openai-harmony==0.0.8 prime-pydantic-config==0.4.3 \
   prime-sandboxes==0.5.1 prime-tunnel==0.1.15 protobuf-py==0.1.1 protobuf-py-ext==0.1.1 pyqwest==0.12.0 \
   renderers==0.1.12 tenacity==9.2.1
+# verifiers 0.4 (its v1 tasksets) is the same distribution, so it goes beside the venv, not in it: its tests put
+# $(VENV)/verifiers-v1 first on the path of the subprocesses they run (it uses the venv's packages).
+VERIFIERS_V1 ?= verifiers==0.4.0
 BENCH_DEPS ?= trl==1.16.0 transformers==5.24.0 peft==0.21.2 accelerate==1.15.0 datasets==5.2.0
 BENCH_ARGS ?= --time-limit 1800  # per run: TRL at its defaults (bf16 autocast) crawls on CPUs without bf16 units
 # The report's browser test drives Debian's Chromium (never a downloaded browser).
@@ -43,6 +46,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(BIN)/python -m pip install -q --no-deps $(OPENENV_NODEPS)
 	$(BIN)/python -m pip install -q --no-deps $(VERIFIERS_NODEPS)
+	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(VENV)/verifiers-v1 $(VERIFIERS_V1)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -190,7 +190,12 @@ class AgentConfig(Section):
     environment_args: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments for the environment's class (for gem: gem.make; for "
                                           "openenv: its reset, besides action_field, observation_field and "
-                                          "keep_prompt).")
+                                          "keep_prompt; for verifiers: load_environment, or a 0.4 taskset's "
+                                          "config fields).")
+    environment_eval_args: dict[str, Any] = Field(
+        default_factory=dict, description="verifiers 0.4 tasksets, which have no eval split: the taskset config "
+                                          "fields (over environment_args) that make its held-out tasks, read by "
+                                          "data.eval: verifiers:eval (e.g. {split: test}).")
     max_turns: int = Field(4, ge=1, description="Assistant turns per episode (each at most rollout.max_new_tokens); "
                                                 "a call on the last one is not run.")
     max_total_tokens: int = Field(
@@ -248,6 +253,9 @@ class AgentConfig(Section):
         if self.program is not None and (self.tools or self.environment):
             raise ValueError("agent.program runs its own loop (its tools go through the OpenAI tools API): drop "
                              "agent.tools and agent.environment, or drop agent.program")
+        if self.environment_eval_args and not (self.environment or "").startswith("verifiers:"):
+            raise ValueError("agent.environment_eval_args configures a verifiers taskset's held-out tasks; "
+                             "agent.environment is not a verifiers environment (drop it)")
         if self.environment is not None and self.environment.startswith("verifiers:"):
             if self.tools:
                 raise ValueError(f"agent.environment {self.environment!r} runs its own rollouts (a vf.ToolEnv brings "

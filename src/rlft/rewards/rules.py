@@ -7,9 +7,11 @@ with the reward contract of `rlft.rewards.scoring`.
 from __future__ import annotations
 
 import json
+import numbers
 import re
 from typing import Any
 
+from rlft.rewards.scores import Scored
 from rlft.rewards.scoring import RewardFn, register_reward
 
 
@@ -140,10 +142,11 @@ def environment(reduce: str = "sum") -> RewardFn:
 
 
 @register_reward("program")
-def program(key: str | None = None) -> RewardFn:
+def program(key: str | None = None, log_others: bool = False) -> RewardFn:
     """What the episode's agent program returned (agent.program): its float, or with `key` that
-    component of the dict it returned. An episode whose program failed (raised, timed out, never
-    called the model) earned 0.0.
+    component of the dict it returned (`log_others`: the dict's other numbers are logged beside it
+    as `reward/<name>/<entry>`, not added). An episode whose program failed (raised, timed out,
+    never called the model) earned 0.0.
 
     >>> program()("q", "", program_reward=0.5, program_ok=True)
     0.5
@@ -151,9 +154,13 @@ def program(key: str | None = None) -> RewardFn:
     1.0
     >>> program()("q", "", program_reward=None, program_ok=False)
     0.0
+    >>> program(key="reward", log_others=True)("q", "", program_reward={"reward": 0.5, "n/a": 2}, program_ok=True)
+    Scored(value=0.5, info={'n_a': 2.0})
     """
+    if log_others and key is None:
+        raise ValueError("program log_others logs the entries besides args.key; set args.key")
 
-    def reward(prompt: str, completion: str, **row: Any) -> float:
+    def reward(prompt: str, completion: str, **row: Any) -> float | Scored:
         if "program_ok" not in row:
             raise ValueError("the program reward needs episodes of an agent program (agent.program)")
         value = row["program_reward"]
@@ -165,6 +172,10 @@ def program(key: str | None = None) -> RewardFn:
                                  "with args: {key: NAME}")
             if key not in value:
                 raise ValueError(f"the agent program's result has no {key!r} (it has {', '.join(value)})")
+            if log_others:
+                return Scored(float(value[key]), {k.replace("/", "_"): float(v) for k, v in value.items()
+                                                  if k != key and isinstance(v, numbers.Real)
+                                                  and not isinstance(v, bool)})
             value = value[key]
         elif key is not None:
             raise ValueError(f"args.key {key!r}: the agent program returned a number, not a dict")

@@ -23,6 +23,7 @@ health monitor's tool_errors detector sees it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -107,12 +108,15 @@ class ProgramDriver:
                        rows: Sequence[EpisodeRow]) -> list[tuple[Any, str | None]]:
         import openai
 
-        tasks = [asyncio.ensure_future(self._episode(openai, key, {**rows[i].fields, "messages": list(prompts[i])}))
-                 for i, _, key in episodes]
-        loop = asyncio.get_running_loop()
-        while not all(t.done() for t in tasks):  # sample what the programs asked for, on this thread
-            await loop.run_in_executor(None, self.endpoint.serve_pending, engine, _WAIT_S)
-        return [t.result() for t in tasks]
+        batch = getattr(self.program, "batch_context", None)  # what a program holds while a batch runs
+        async with batch() if batch is not None else contextlib.nullcontext():
+            tasks = [asyncio.ensure_future(self._episode(openai, key, {**rows[i].fields,
+                                                                       "messages": list(prompts[i])}))
+                     for i, _, key in episodes]
+            loop = asyncio.get_running_loop()
+            while not all(t.done() for t in tasks):  # sample what the programs asked for, on this thread
+                await loop.run_in_executor(None, self.endpoint.serve_pending, engine, _WAIT_S)
+            return [t.result() for t in tasks]
 
     async def _episode(self, openai: Any, key: str, row: dict[str, Any]) -> tuple[Any, str | None]:
         client = openai.AsyncOpenAI(base_url=self.endpoint.base_url(key), api_key=self.endpoint.key, max_retries=0,

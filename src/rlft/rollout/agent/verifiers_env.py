@@ -2,9 +2,9 @@
 rollout loop and rubric, through the policy's OpenAI-compatible endpoint.
 
 A verifiers environment is a module with `load_environment(**kwargs)` returning a
-`vf.SingleTurnEnv`, `vf.MultiTurnEnv` or `vf.ToolEnv` (verifiers' classic API: 0.1 to 0.3; 0.4
-replaced it with its Taskset/Harness stack and is refused with that message). `verifiers:NAME`
-imports NAME (an installed environment package, `vf-math` as `vf_math`, a hub id `owner/name` as
+`vf.SingleTurnEnv`, `vf.MultiTurnEnv` or `vf.ToolEnv` (verifiers' classic API: 0.1 to 0.3), or,
+with verifiers 0.4 installed, a module exporting a `vf.Taskset` (its v1 stack: verifiers_v1.py;
+what follows is the classic half). `verifiers:NAME` imports NAME (an installed environment package, `vf-math` as `vf_math`, a hub id `owner/name` as
 `name`) or `verifiers:path/to/env.py`, and calls `load_environment(**agent.environment_args)`.
 
 The environment drives itself: each episode is `env.run_rollout(row, client, ...)` with a verifiers
@@ -56,20 +56,38 @@ def is_verifiers(ref: str | None) -> bool:
 
 
 def import_verifiers() -> Any:
-    """verifiers, with its classic environment API; its logging set-up undone (it adds handlers)."""
+    """verifiers, its logging set-up undone (it adds handlers)."""
     with root_logging_kept():
         try:
             import verifiers as vf
         except ImportError:
             raise ConfigError(INSTALL_HINT) from None
+    return vf
+
+
+def is_v1() -> bool:
+    """Whether the installed verifiers is 0.4's v1 stack (tasksets) rather than the classic
+    environments (0.1 to 0.3): each has its half of the adapter."""
+    vf = import_verifiers()
     try:
         vf.Environment, vf.OpenAIChatCompletionsClient  # noqa: B018  (the classic API, lazily imported)
+        return False
     except AttributeError:
-        raise ConfigError(f"agent.environment 'verifiers:...': verifiers {getattr(vf, '__version__', '?')} has no "
-                          "classic environments (vf.SingleTurnEnv / MultiTurnEnv / ToolEnv with load_environment: "
-                          "verifiers 0.4 replaced them with its Taskset/Harness stack); install "
-                          "'verifiers>=0.3,<0.4' (pip install 'rlft[verifiers]')") from None
-    return vf
+        pass
+    with root_logging_kept():
+        try:
+            import verifiers.v1  # noqa: F401
+        except ImportError as exc:
+            raise ConfigError(f"agent.environment 'verifiers:...': verifiers {getattr(vf, '__version__', '?')} has "
+                              f"neither the classic environments nor a loadable v1 stack ({exc}); install "
+                              "'rlft[verifiers]'") from None
+    return True
+
+
+def _v1() -> Any:
+    from rlft.rollout.agent import verifiers_v1  # lazy: imports verifiers 0.4's stack, there only
+
+    return verifiers_v1
 
 
 def load(ref: str, args: dict[str, Any]) -> Any:
@@ -141,6 +159,8 @@ def reward_specs(rewards: list[Any], agent: Any) -> list[Any]:
     the rubric's; each function is logged)."""
     if rewards or agent is None or not is_verifiers(agent.environment):
         return rewards
+    if is_v1():  # the trace's weighted total, each score logged beside it
+        return [_v1().rubric_spec()]
     return [RewardSpec(fn="program", name=name, weight=float(weight), args={"key": name})
             for name, weight in rubric_components(load(agent.environment, agent.environment_args))]
 
@@ -157,6 +177,8 @@ def dataset_records(source: str, agent: Any) -> list[tuple[str, dict[str, Any]]]
                         "config's agent section names none; set agent.environment (with rlft eval: evaluate the "
                         "run directory, whose config names it)")
     ref = agent.environment
+    if is_v1():
+        return _v1().dataset_records(ref, agent.environment_args, agent.environment_eval_args, split)
     env = load(ref, agent.environment_args)
     dataset = env.get_dataset() if split == "train" else env.build_eval_dataset()
     if dataset is None:
@@ -201,5 +223,6 @@ def verifiers_driver(cfg: Any, engine: Any, tokenizer: Any, parser: Any) -> Any:
     """An agent-program driver whose program is the environment's rollout and rubric."""
     from rlft.rollout.agent.program import ProgramDriver  # lazy: FastAPI and uvicorn (the openai extra)
 
-    return ProgramDriver(engine, tokenizer, program(cfg.environment, cfg.environment_args), parser,
-                         cfg.max_total_tokens, cfg.episode_timeout_s, cfg.tools_prompt)
+    run = (_v1().program if is_v1() else program)(cfg.environment, cfg.environment_args)
+    return ProgramDriver(engine, tokenizer, run, parser, cfg.max_total_tokens, cfg.episode_timeout_s,
+                         cfg.tools_prompt)
