@@ -303,3 +303,46 @@ def test_the_shipped_example_program_runs_an_episode(policy):
     assert len(out) == 2 and all(c.episode.program_ok and 1 <= c.episode.turns <= 3 for c in out)
     assert all(set(c.episode.program_reward) == {"correct", "tool_used"} for c in out)
     assert all(c.episode.prefix_breaks == 0 for c in out)
+
+
+def test_a_program_run_resumed_ends_bitwise_as_one_left_alone(tmp_path, qwen_path, programs):
+    """A tool-using program's run stopped after 2 steps and resumed to 4 (the endpoint's calls are
+    sampled on streams named by the batch, so they repeat) equals the 4-step run: weights, metrics.
+    What is computed from the sampler's log-probs agrees to 1e-6 (kl) or stays at float noise
+    (rollout/logprob_diff_*), not bitwise: the engine batches the calls as they arrive, and a batch's
+    shape moves those log-probs in the 7th digit (the sampled tokens are the streams', and the loss
+    uses the trainer's)."""
+    from safetensors.torch import load_file
+
+    from rlft.api import resume, train
+
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"Count to {i}."}) + "\n"
+                                                    for i in range(8)))
+
+    def cfg(name, steps):
+        return {"method": "grpo", "output_dir": str(tmp_path / name), "seed": 0,
+                "model": {"path": str(qwen_path), "device": "cpu"},
+                "data": {"train": str(tmp_path / "prompts.jsonl")},
+                "training": {"learning_rate": 1e-2, "max_steps": steps, "num_threads": 1, "precision": "fp32",
+                             "lr_scheduler": "constant"},
+                "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 8},
+                "agent": {"program": f"{programs}:with_tool", "max_total_tokens": 200},
+                "rewards": [{"fn": "program"}], "checkpoint": {"every": 1}, "logging": {"progress": False}}
+
+    assert train(cfg("alone", 4))["status"] == "completed"
+    assert train(cfg("resumed", 2))["step"] == 2
+    assert resume(tmp_path / "resumed", ["training.max_steps=4"])["step"] == 4
+    torch.set_num_threads(1)
+    a, b = (load_file(str(tmp_path / name / "final" / "model.safetensors")) for name in ("alone", "resumed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    def rows(name, sampler_lp):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(x).items() if not any(t in k for t in ("time", "_per_s", "latency"))
+                 and (k == "kl" or "logprob_diff" in k) == sampler_lp} for x in lines]
+
+    assert rows("alone", False) == rows("resumed", False)
+    for x, y in zip(rows("alone", True), rows("resumed", True)):
+        assert x["kl"] == pytest.approx(y["kl"], rel=1e-6, abs=1e-9)
+        assert all(x[k] < 1e-5 and y[k] < 1e-5 for k in x if "logprob_diff" in k)
+    assert all(r["agent/turns_mean"] == 2 for r in rows("alone", False) if "reward/mean" in r)
