@@ -72,6 +72,9 @@ def takes_one(completion, **kwargs):
 def reversed_args(completion, prompt, **row):
     return 1.0
 
+def completion_first(completion, answer, **row):
+    return float(completion == answer)
+
 async def is_async(prompt, completion, **row):
     return 1.0
 
@@ -234,6 +237,8 @@ def test_sys_exit_in_a_reward_is_reported_not_swallowed(user):
 @pytest.mark.parametrize("name, message", [
     ("takes_one", "takes 1 positional parameter"),
     ("reversed_args", "names its parameters (completion, prompt)"),
+    # it would get the prompt as `completion` and the completion as `answer`, then `answer` again from the row
+    ("completion_first", "takes the completion first, but rewards are called as fn(prompt, completion, **row)"),
     ("is_async", "is async"),
     ("is_generator", "is a generator"),
     ("Scorer", "is a class"),

@@ -141,6 +141,11 @@ def check_user_function(fn: Callable[..., Any], ref: str, args: dict[str, Any]) 
     if [p.name for p in positional[:2]] == ["completion", "prompt"]:
         raise fail(f"{shown} names its parameters (completion, prompt), but the prompt comes first",
                    f"def {_name(fn)}(prompt, completion, ...)")
+    if positional[0].name in ("completion", "completions", "response"):  # e.g. (completion, answer, **row)
+        rest = ", ".join(p.name for p in positional[1:]) + ", " if len(positional) > 1 else ""
+        raise fail(f"{shown} takes the completion first, but rewards are called as fn(prompt, completion, **row): "
+                   f"it would get the prompt as {positional[0].name!r}",
+                   f"def {_name(fn)}(prompt, {positional[0].name}, {rest}**row)")
     stuck = [p.name for p in positional[2:] if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
     if stuck:
         raise fail(f"{shown}: positional-only parameter(s) {stuck} cannot receive row fields (they come as keywords)")
