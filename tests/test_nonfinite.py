@@ -93,3 +93,6 @@ def test_consecutive_bad_steps_stop_with_a_checkpoint(root):
     # the last good state is step 2 (batches 1-2 trained, 3-5 skipped)
     assert "step-00000002" in str(exc.value)
     assert (root / "stop" / "checkpoints" / "step-00000002" / "COMPLETE").exists()
+    # summary.json says it too (it used to be left unwritten: the console was the only record)
+    summary = json.loads((root / "stop" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["step"] == 2 and "non-finite" in summary["error"]

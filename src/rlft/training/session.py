@@ -210,6 +210,7 @@ class TrainingSession:
         self.loggers = loggers or LoggerGroup([])
         self.halt: str | None = None  # a health alert whose action is 'stop'
         self.early_stop: str | None = None
+        self.training_started = False  # the run is past its start (resume decided): a failure is recorded in summary.json
         self.clock = RunClock()
         self.state = RunState(run, policy, checkpointing, world, allow_template_change)
         for name, part in (("optimizer", OptimizerState(self.trainables, self.optimizer)), ("nonfinite", self.guard),
@@ -330,6 +331,7 @@ class TrainingSession:
         resumes there, and finish() does the rest."""
         found = self.state.resume()
         if found is None:
+            self.training_started = True
             return False
         path, self.step = found
         last = self.run.read_summary()  # of the last attempt
@@ -343,6 +345,7 @@ class TrainingSession:
                    + ("; the last attempt failed after it, finishing the run" if self.step >= self.total_steps else ""))
         if self.display is not None:
             self.display.update(self.step, {})
+        self.training_started = True
         return True
 
     def eval_due(self) -> bool:
@@ -468,6 +471,7 @@ class TrainingSession:
             saved += f" and the final model {self.run.final}"
         self.run.update_summary({"status": "eval_failed", "step": self.step, "error": reason})
         self.world.barrier()
+        self.training_started = False  # its status is written
         raise TrainingHalted(f"the evaluation after step {self.step} failed: {reason}\nThe trained weights are safe: "
                              f"{saved}. Fix the evaluation, then evaluate with `rlft eval {self.run.root}` or "
                              f"continue with `rlft train --resume {self.run.root}`")
@@ -585,8 +589,10 @@ def prepared_run(config: Config, world: World = SINGLE) -> Iterator[RunSetup]:
         setup = RunSetup(config, world, run, run_precision(config, world))
         try:
             yield setup
-        except RunDirError as exc:  # a write failed: summary.json says so, if it can still be written
-            if world.main:
+        except RlftError as exc:  # summary.json says so, if it can still be written: a write failed, or the
+            # run stopped on an error mid-training (a reward, an environment, a server, the non-finite guard)
+            started = setup.opened is not None and setup.opened.training_started
+            if world.main and (isinstance(exc, RunDirError) or started):
                 _record_failure(run, setup, exc)
             raise
         finally:
