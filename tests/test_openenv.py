@@ -301,9 +301,10 @@ def test_what_rlft_cannot_drive_is_one_clear_error_at_start(game, tokenizer):
     with pytest.raises(ConfigError, match=r"(?s)no server answers at http://127.0.0.1:9 \(ConnectError.*"
                                           r"Fix: start the environment's server first"):
         load_environment("openenv:http://127.0.0.1:9", {}, 0)
-    served = load_environment(f"openenv:{game}:app", {}, 0).make.url  # something that answers, but not /schema
+    # something that answers, but not /schema (kept: the in-process server stops when its source is collected)
+    source = load_environment(f"openenv:{game}:app", {}, 0)
     with pytest.raises(ConfigError, match=r"/nope/schema answered 404, not an OpenEnv server's schema"):
-        load_environment(f"openenv:{served}/nope", {}, 0)
+        load_environment(f"openenv:{source.make.url}/nope", {}, 0)
     with pytest.raises(ConfigError, match=r"(?s)its action has no text field.*column \(integer\)"):
         load_environment(f"openenv:{game}:numbers", {}, 0)
     with pytest.raises(ConfigError, match=r"its action also requires player"):

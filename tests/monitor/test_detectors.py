@@ -211,7 +211,7 @@ def test_history_gives_every_detector_the_same_answer_as_the_list_of_records():
     cfg = MonitorConfig()
     keys = sorted(cfg.watched_keys() - {"step"})
     fired = set()
-    for trial in range(20):
+    for trial in range(60):  # enough random histories that every detector fires (asserted below)
         records, history = [], History()
         for step in range(1, 41):
             record = {"step": step}
@@ -268,8 +268,9 @@ def test_short_runs_compare_a_start_with_steps_after_it_and_say_which_limit_fire
     assert alert is not None and "has fallen 77% from 1" in alert.message
 
 
-TOOLS = dict(metric="agent/tool_error_rate", metrics=["agent/errors/raised", "agent/errors/timeout"], smooth=2,
-             min_rate=1.0)
+TOOLS = dict(metric="agent/tool_error_rate", program_metric="agent/program_error_rate",
+             metrics=["agent/errors/raised", "agent/errors/timeout", "agent/errors/program_raised",
+                      "agent/errors/program_no_call"], smooth=2, min_rate=1.0)
 
 
 def test_a_run_that_learns_nothing_is_said_at_its_second_step_naming_the_cause():
@@ -300,3 +301,14 @@ def test_a_run_that_learns_nothing_is_said_at_its_second_step_naming_the_cause()
     assert alert.values == {rate: 1.0, "errors/timeout": 7.0, "errors/raised": 1.0}
     lower = DETECTORS["tool_errors"](hist(**{rate: [0.5, 0.7], raised: [1, 1]}), **{**TOOLS, "min_rate": 0.6})
     assert lower is not None and "agent/tool_error_rate 0.6 (mean of the last 2 steps)" in lower.message
+    # an agent program's failed episodes: the same rule, its own kinds and fixes
+    program, prog_raised, no_call = "agent/program_error_rate", "agent/errors/program_raised", \
+        "agent/errors/program_no_call"
+    assert DETECTORS["tool_errors"](hist(**{program: [1.0, 0.5], prog_raised: [8, 4]}), **TOOLS) is None
+    alert = DETECTORS["tool_errors"](hist(**{program: [1.0, 1.0], prog_raised: [1, 0], no_call: [7, 8],
+                                             rate: [0.0, 0.0]}), **TOOLS)
+    assert alert is not None and alert.step == 2
+    assert alert.message.startswith("every agent program episode failed in each of the last 2 steps "
+                                    "(program_no_call: 15, program_raised: 1), so nothing is trained")
+    assert "returns without calling the model" in alert.message
+    assert alert.values == {program: 1.0, "errors/program_no_call": 15.0, "errors/program_raised": 1.0}
