@@ -248,3 +248,23 @@ def test_the_shipped_example_taskset_runs_episodes(qwen_path, tmp_path):
     assert len(got["train"]) == 8 and len(got["held_out"]) == 4
     assert all(e["ok"] and set(e["reward"]) == {"correct", "answer_format", "reply_chars", "reward"}
                for e in got["episodes"])
+
+
+def test_an_async_taskset_run_trains(qwen_path, tasksets, tmp_path):
+    """async_steps 1: the episodes of the next batch (v1's interception server held per batch) run on
+    the sampler's thread while the trainer steps."""
+    run = tmp_path / "run"
+    cfg = {"method": "grpo", "output_dir": str(run), "seed": 0, "model": {"path": str(qwen_path), "device": "cpu"},
+           "data": {"train": "verifiers:train"},
+           "training": {"learning_rate": 1e-3, "max_steps": 3, "num_threads": 1},
+           "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 8, "async_steps": 1},
+           "algorithm": {"rollout_correction": "tis"},
+           "agent": {"environment": f"verifiers:{tasksets / 'sums_tasks.py'}", "max_total_tokens": 64},
+           "logging": {"progress": False}}
+    (tmp_path / "config.yaml").write_text(json.dumps(cfg))
+    trained = run_v1("-m", "rlft", "train", str(tmp_path / "config.yaml"))
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    assert json.loads((run / "summary.json").read_text())["step"] == 3
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all("reward/rubric/digits" in r and r["agent/program_error_rate"] == 0.0
+               for r in rows if "reward/mean" in r)
