@@ -56,6 +56,36 @@ async def with_tool(client, row):
     return digits(r.choices[0].message.content or "")
 
 
+async def streams_with_tool(client, row):
+    """with_tool over streamed replies, put back together from their chunks as streaming clients do
+    (content deltas, tool calls by index, the usage chunk)."""
+    async def ask(msgs):
+        stream = await client.chat.completions.create(model="policy", messages=msgs, tools=[CALC], stream=True,
+                                                      stream_options={"include_usage": True})
+        content, calls, usage, finish = "", {}, 0, None
+        async for chunk in stream:
+            usage += chunk.usage.completion_tokens if chunk.usage else 0
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                for tc in choice.delta.tool_calls or []:
+                    call = calls.setdefault(tc.index, {"id": tc.id, "type": "function",
+                                                       "function": {"name": "", "arguments": ""}})
+                    call["function"]["name"] += tc.function.name or ""
+                    call["function"]["arguments"] += tc.function.arguments or ""
+                finish = choice.finish_reason or finish
+        return content, [calls[i] for i in sorted(calls)], usage, finish
+
+    msgs = list(row["messages"])
+    content, calls, used, finish = await ask(msgs)
+    msgs.append({"role": "assistant", "content": content or None, **({"tool_calls": calls} if calls else {})})
+    for call in calls:
+        value = str(eval(json.loads(call["function"]["arguments"])["expression"], {}))
+        msgs.append({"role": "tool", "tool_call_id": call["id"], "content": value})
+    answer, _, used_too, _ = await ask(msgs)
+    return {"calls": float(len(calls)), "tool_finish": float(finish == "tool_calls"),
+            "correct": float(answer.strip() == "44"), "usage": float(used + used_too)}
+
+
 async def strips_history(client, row):
     """Re-renders its history: keeps only the first 3 characters of the model's first turn."""
     msgs = list(row["messages"])
@@ -83,7 +113,7 @@ async def refused(client, row):
     """Requests the endpoint refuses, each with a 400 naming what to change."""
     base = dict(model="policy", messages=row["messages"])
     out = {}
-    for name, extra in (("n", {"n": 2}), ("stream", {"stream": True}), ("temperature", {"temperature": 0.3}),
+    for name, extra in (("n", {"n": 2}), ("temperature", {"temperature": 0.3}),
                         ("logit_bias", {"extra_body": {"logit_bias": {"1": 5}}})):
         try:
             await client.chat.completions.create(**base, **extra)
@@ -151,6 +181,43 @@ def test_a_tool_using_program_trains_exactly_the_sampled_ids(policy, programs):
         assert c.episode.program_reward == pytest.approx(c.episode.program_reward)
 
 
+def test_a_streaming_program_gets_its_replies_as_chunks_and_trains_one_exact_sequence(policy, programs):
+    """stream=True: the reply (sampled whole first) comes as OpenAI's chunks, a tool call included;
+    sent back as the client put it together, it continues the same sequence (nothing re-encoded)."""
+    from conftest import ScriptedEngine, call_text
+
+    from rlft.rollout.agent.program import program_driver
+    from rlft.rollout.agent.tool_calls import pick_parser
+
+    engine = ScriptedEngine(policy.tokenizer, ["", call_text("calculator", {"expression": "20 + 24"}), "44"])
+    engine.max_model_len = None
+    cfg = AgentConfig(program=f"{programs}:streams_with_tool", max_total_tokens=400)
+    driver = program_driver(cfg, engine, policy.tokenizer, pick_parser(cfg.parser, policy.tokenizer.chat_template))
+    try:
+        [c] = driver.run([[{"role": "user", "content": "What is 20 + 24?"}]],
+                         SamplingParams(n=1, temperature=1.0, max_new_tokens=120))
+    finally:
+        driver.close()
+    assert c.episode.program_ok and c.episode.turns == 2 and c.episode.prefix_breaks == 0
+    first, second = engine.sampled[1][0], engine.sampled[2][0]
+    assert c.episode.program_reward == {"calls": 1.0, "tool_finish": 1.0, "correct": 1.0,
+                                        "usage": float(len(first) + len(second))}
+    assert trained_runs(c) == [first, second]  # the two samples as sampled, the tool result between them masked
+
+
+def test_a_streamed_text_completion_is_its_text_then_its_finish_then_the_usage():
+    from rlft.rollout.agent.endpoint import stream_chunks
+
+    reply = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "rlft-policy",
+             "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+             "choices": [{"index": 0, "text": "42", "finish_reason": "stop", "logprobs": None}]}
+    chunks = stream_chunks(reply, include_usage=True)
+    assert [c["choices"][0]["text"] for c in chunks[:2]] == ["42", ""]
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:2]] == [None, "stop"]
+    assert chunks[2]["choices"] == [] and chunks[2]["usage"]["completion_tokens"] == 2
+    assert len(stream_chunks(reply, include_usage=False)) == 2
+
+
 def test_a_harness_that_rewrites_history_splits_the_episode_into_exact_sequences(policy, programs):
     out, samples = drive(policy, programs, "strips_history")
     assert len(out) == 8  # 2 prompts x 2 samples, 2 sequences each
@@ -212,7 +279,7 @@ def test_a_program_that_fails_every_episode_is_said_at_step_2_once(tmp_path, qwe
 def test_the_endpoint_refuses_what_it_cannot_record_with_a_400_naming_it(policy, programs):
     drive(policy, programs, "refused", n=1)
     results = json.loads(programs.with_name("refused.json").read_text())
-    for name in ("n", "stream", "temperature", "logit_bias"):
+    for name in ("n", "temperature", "logit_bias"):
         assert results[name].startswith("400") and name in results[name], results
 
 
@@ -308,8 +375,8 @@ def test_the_shipped_example_program_runs_an_episode(policy):
 def test_a_program_run_resumed_ends_bitwise_as_one_left_alone(tmp_path, qwen_path, programs):
     """A tool-using program's run stopped after 2 steps and resumed to 4 (the endpoint's calls are
     sampled on streams named by the batch, so they repeat) equals the 4-step run: weights, metrics.
-    What is computed from the sampler's log-probs agrees to 1e-6 (kl) or stays at float noise
-    (rollout/logprob_diff_*), not bitwise: the engine batches the calls as they arrive, and a batch's
+    What is computed from the sampler's log-probs agrees to 1e-6 (kl, rollout/ratio_mean) or stays
+    at float noise (rollout/logprob_diff_*), not bitwise: the engine batches the calls as they arrive, and a batch's
     shape moves those log-probs in the 7th digit (the sampled tokens are the streams', and the loss
     uses the trainer's)."""
     from safetensors.torch import load_file
@@ -339,10 +406,10 @@ def test_a_program_run_resumed_ends_bitwise_as_one_left_alone(tmp_path, qwen_pat
     def rows(name, sampler_lp):
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         return [{k: v for k, v in json.loads(x).items() if not any(t in k for t in ("time", "_per_s", "latency"))
-                 and (k == "kl" or "logprob_diff" in k) == sampler_lp} for x in lines]
+                 and (k in ("kl", "rollout/ratio_mean") or "logprob_diff" in k) == sampler_lp} for x in lines]
 
     assert rows("alone", False) == rows("resumed", False)
     for x, y in zip(rows("alone", True), rows("resumed", True)):
-        assert x["kl"] == pytest.approx(y["kl"], rel=1e-6, abs=1e-9)
+        assert all(x[k] == pytest.approx(y[k], rel=1e-6, abs=1e-9) for k in ("kl", "rollout/ratio_mean") if k in x)
         assert all(x[k] < 1e-5 and y[k] < 1e-5 for k in x if "logprob_diff" in k)
     assert all(r["agent/turns_mean"] == 2 for r in rows("alone", False) if "reward/mean" in r)

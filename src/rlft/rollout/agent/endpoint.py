@@ -6,8 +6,9 @@ as rendered (the policy's chat template, tools given the template's way or as th
 block), the sampled ids and their log-probs, and the reason the turn ended. Routes:
 - POST /v1/chat/completions: `messages` (system, user, assistant with `tool_calls`, tool), `tools`
   (function tools), `tool_choice` auto/none, `max_tokens` / `max_completion_tokens`, `stop`,
-  `temperature` (only the run's), `n` (1), `stream` (false); the reply's `tool_calls` are parsed
-  from the sampled text with the run's tool-call parser;
+  `temperature` (only the run's), `n` (1), `stream` (with `stream_options.include_usage`: the
+  whole reply, sampled first, sent as server-sent chunks as OpenAI streams one); the reply's
+  `tool_calls` are parsed from the sampled text with the run's tool-call parser;
 - POST /v1/completions: `prompt` as text or token ids, the same sampling fields;
 - GET /v1/models.
 Anything else in a request is refused with a 400 that names the field (never a crash).
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request  # the openai extra; this module is imported only for agent.program
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rlft.rollout.agent.local_server import serve_in_thread
@@ -49,6 +50,7 @@ class _Request(BaseModel):
     temperature: float | None = None
     n: int = 1
     stream: bool = False
+    stream_options: dict[str, bool] | None = None  # include_usage: a last chunk with the usage
     user: str | None = None
     logprobs: bool | None = None  # recorded either way; the reply carries none
 
@@ -212,7 +214,7 @@ class PolicyEndpoint:
         def refuse(message: str, status: int = 400) -> JSONResponse:
             return JSONResponse({"error": {"message": message, "type": "invalid_request_error"}}, status_code=status)
 
-        async def handle(request: Request, episode: str, kind: str) -> JSONResponse:
+        async def handle(request: Request, episode: str, kind: str) -> JSONResponse | StreamingResponse:
             if request.headers.get("authorization", "") != f"Bearer {self.key}":
                 return refuse("this endpoint needs the run's key (the client agent.program gets has it)", 401)
             if episode not in self.records:
@@ -231,6 +233,9 @@ class PolicyEndpoint:
                 return refuse(f"{where}: {err['msg']}")
             except (RequestError, json.JSONDecodeError) as exc:
                 return refuse(str(exc))
+            if spec.stream:  # the reply is whole already: its chunks, as OpenAI streams one
+                include_usage = bool((spec.stream_options or {}).get("include_usage"))
+                return StreamingResponse(_events(stream_chunks(reply, include_usage)), media_type="text/event-stream")
             return JSONResponse(reply)
 
         @app.post("/episodes/{episode}/v1/chat/completions")
@@ -271,8 +276,6 @@ class PolicyEndpoint:
         if spec.n != 1:
             raise RequestError("n: rlft's endpoint samples one choice per request (each is recorded for training); "
                                "send n requests")
-        if spec.stream:
-            raise RequestError("stream: streaming is not supported; set stream=false")
         if spec.temperature is not None and abs(spec.temperature - base.temperature) > 1e-9:
             raise RequestError(f"temperature: the run samples at {base.temperature} (rollout.temperature; the "
                                "trainer's log-probs assume it); omit temperature or send that value")
@@ -373,3 +376,34 @@ def _message_key(message: dict[str, Any]) -> str:
 def _usage(prompt: list[int], out: Completion) -> dict[str, int]:
     return {"prompt_tokens": len(prompt), "completion_tokens": len(out.completion_ids),
             "total_tokens": len(prompt) + len(out.completion_ids)}
+
+
+def stream_chunks(reply: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
+    """A whole reply (`chat.completion` or `text_completion`) as the chunks OpenAI streams: the
+    content (and each tool call, whole, at its index), then the finish reason, then (asked for)
+    the usage in a chunk without choices."""
+    choice = reply["choices"][0]
+    chat = reply["object"] == "chat.completion"
+    head = {"id": reply["id"], "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": reply["created"], "model": reply["model"]}
+
+    def chunk(part: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {**head, "choices": [{"index": 0, **part, "finish_reason": finish, "logprobs": None}]}
+
+    if chat:
+        message = choice["message"]
+        out = [chunk({"delta": {"role": "assistant", "content": message.get("content") or ""}})]
+        out += [chunk({"delta": {"tool_calls": [{"index": i, **call}]}})
+                for i, call in enumerate(message.get("tool_calls") or [])]
+        out.append(chunk({"delta": {}}, choice["finish_reason"]))
+    else:
+        out = [chunk({"text": choice["text"]}), chunk({"text": ""}, choice["finish_reason"])]
+    if include_usage:
+        out.append({**head, "choices": [], "usage": reply["usage"]})
+    return out
+
+
+async def _events(chunks: list[dict[str, Any]]) -> Any:
+    for c in chunks:
+        yield f"data: {json.dumps(c)}\n\n"
+    yield "data: [DONE]\n\n"
