@@ -4,8 +4,9 @@ rollout loop and rubric, through the policy's OpenAI-compatible endpoint.
 A verifiers environment is a module with `load_environment(**kwargs)` returning a
 `vf.SingleTurnEnv`, `vf.MultiTurnEnv` or `vf.ToolEnv` (verifiers' classic API: 0.1 to 0.3), or,
 with verifiers 0.4 installed, a module exporting a `vf.Taskset` (its v1 stack: verifiers_v1.py;
-what follows is the classic half). `verifiers:NAME` imports NAME (an installed environment package, `vf-math` as `vf_math`, a hub id `owner/name` as
-`name`) or `verifiers:path/to/env.py`, and calls `load_environment(**agent.environment_args)`.
+what follows is the classic half). `verifiers:NAME` imports NAME (an installed environment
+package, `vf-math` as `vf_math`, a hub id `owner/name` as `name`) or `verifiers:path/to/env.py`, and
+calls `load_environment(**agent.environment_args)`.
 
 The environment drives itself: each episode is `env.run_rollout(row, client, ...)` with a verifiers
 client around the `openai.AsyncOpenAI` client of an agent program (rollout/agent/program.py), so
