@@ -244,6 +244,9 @@ def test_a_failing_program_ends_its_episode_with_nothing_trained(policy, program
 
     metrics = episode_metrics(out)
     assert metrics[f"agent/errors/{error}"] == 4.0 and metrics["agent/program_error_rate"] == 1.0
+    # the other kinds are logged as 0 (the detector sums each kind's last steps: a stale count would mislead)
+    assert all(metrics[f"agent/errors/{kind}"] == 0.0
+               for kind in ("program_raised", "program_timeout", "program_no_call") if kind != error)
 
 
 def test_a_program_that_fails_every_episode_is_said_at_step_2_once(tmp_path, qwen_path, programs, capsys,
@@ -336,14 +339,18 @@ def test_a_program_run_learns(tmp_path, qwen_path, programs):
 
 
 def test_async_program_runs_train(tmp_path, qwen_path, programs):
+    """async k=1 with an evaluation after every step: the loop's evaluation and the sampler thread's
+    next batch share the program driver (one batch at a time: each owns the endpoint's settings and
+    episode names), so every training step still sees its own 8 episodes, one prefix break each."""
     from rlft.api import train
 
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"Count to {i}."}) + "\n"
                                                     for i in range(8)))
     summary = train({"method": "grpo", "output_dir": str(tmp_path / "run"), "seed": 0,
                      "model": {"path": str(qwen_path), "device": "cpu"},
-                     "data": {"train": str(tmp_path / "prompts.jsonl")},
-                     "training": {"learning_rate": 1e-3, "max_steps": 3, "num_threads": 1},
+                     "data": {"train": str(tmp_path / "prompts.jsonl"), "eval": str(tmp_path / "prompts.jsonl")},
+                     "eval": {"max_new_tokens": 8, "max_examples": 4},
+                     "training": {"learning_rate": 1e-3, "max_steps": 3, "num_threads": 1, "eval_every": 1},
                      "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 8, "async_steps": 1},
                      "algorithm": {"rollout_correction": "tis"},
                      "agent": {"program": f"{programs}:strips_history", "max_total_tokens": 64},
@@ -351,7 +358,10 @@ def test_async_program_runs_train(tmp_path, qwen_path, programs):
     torch.set_num_threads(1)
     assert summary["status"] == "completed" and summary["step"] == 3
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert all(r.get("agent/prefix_breaks") == 8 for r in rows if "reward/mean" in r)  # 2 prompts x 4, one each
+    train_rows = [r for r in rows if "reward/mean" in r]
+    assert len(train_rows) == 3 and all(r.get("agent/prefix_breaks") == 8 and r["agent/program_error_rate"] == 0
+                                        for r in train_rows)  # 2 prompts x 4, one break each
+    assert sum("eval/reward_mean" in r for r in rows) == 3 and summary["eval/agent/program_error_rate"] == 0
     assert Path(tmp_path / "run" / "final").is_dir()
 
 
@@ -413,3 +423,19 @@ def test_a_program_run_resumed_ends_bitwise_as_one_left_alone(tmp_path, qwen_pat
         assert all(x[k] == pytest.approx(y[k], rel=1e-6, abs=1e-9) for k in ("kl", "rollout/ratio_mean") if k in x)
         assert all(x[k] < 1e-5 and y[k] < 1e-5 for k in x if "logprob_diff" in k)
     assert all(r["agent/turns_mean"] == 2 for r in rows("alone", False) if "reward/mean" in r)
+
+
+def test_an_entry_a_program_reward_only_logs_cannot_count_answers_correct(programs, tmp_path, qwen_path):
+    """`log_others` entries (a verifiers 0.4 taskset's scores) are logged, not reward parts: naming one as
+    eval.correct_component is refused before the run, with the config that works."""
+    from rlft.config import Config
+    from rlft.errors import ConfigError
+    from rlft.monitor.catalogue import preflight
+
+    base = {"method": "grpo", "output_dir": str(tmp_path / "run"), "model": {"path": str(qwen_path)},
+            "data": {"train": "t.jsonl", "eval": "e.jsonl"}, "agent": {"program": f"{programs}:strips_history"}}
+    total = {"fn": "program", "name": "rubric", "args": {"key": "reward", "log_others": True}}
+    with pytest.raises(ConfigError, match="'rubric' only logs 'correct' beside its value"):
+        preflight(Config(**base, rewards=[total], eval={"correct_component": "rubric/correct"}))
+    preflight(Config(**base, rewards=[total, {"fn": "program", "name": "correct", "weight": 0,
+                                              "args": {"key": "correct"}}], eval={"correct_component": "correct"}))

@@ -104,6 +104,16 @@ def group_rubric():
 
 def broken():
     raise RuntimeError("the environment's own bug")
+
+
+def eval_only():
+    parser = vf.XMLParser(["answer"], answer_field="answer")
+    return vf.SingleTurnEnv(eval_dataset=_sums(1, 4), parser=parser, rubric=_rubric(parser))
+
+
+def lambdas():
+    return vf.SingleTurnEnv(dataset=_sums(0, 4), rubric=vf.Rubric(funcs=[lambda completion, **kw: 1.0,
+                                                                       lambda completion, **kw: 0.0]))
 '''
 
 
@@ -112,7 +122,7 @@ def envs(tmp_path_factory):
     """The environments' file, and a module per loader (verifiers:FILE calls its load_environment)."""
     folder = tmp_path_factory.mktemp("verifiers")
     (folder / "arith_envs.py").write_text(ENVIRONMENTS)
-    for name in ("multi_turn", "tools", "group_rubric", "broken"):
+    for name in ("multi_turn", "tools", "group_rubric", "broken", "eval_only", "lambdas"):
         (folder / f"{name}_env.py").write_text(
             f"import importlib.util, sys\nspec = importlib.util.spec_from_file_location('arith_envs_{name}', "
             f"{str(folder / 'arith_envs.py')!r})\nm = importlib.util.module_from_spec(spec)\n"
@@ -158,7 +168,7 @@ def test_a_single_turn_environment_runs_its_rollout_and_rubric(policy, envs):
     assert "Answer with the number only." in policy.tokenizer.decode(out[0].prompt_ids)
 
 
-def test_the_environments_datasets_are_the_runs_prompts(envs):
+def test_the_environments_datasets_are_the_runs_prompts(envs, policy):
     from rlft.data.readers import read_rows
 
     agent = AgentConfig(environment=f"verifiers:{envs / 'arith_envs.py'}",
@@ -175,6 +185,15 @@ def test_the_environments_datasets_are_the_runs_prompts(envs):
         read_rows("verifiers:train")
     with pytest.raises(DataError, match="has no eval_dataset"):
         read_rows("verifiers:eval", agent=AgentConfig(environment=f"verifiers:{envs / 'multi_turn_env.py'}"))
+    with pytest.raises(DataError, match="has no dataset; give data.train another source"):  # an eval-only one
+        read_rows("verifiers:train", agent=AgentConfig(environment=f"verifiers:{envs / 'eval_only_env.py'}"))
+    # an evaluation suite reads it too (with the run's agent section)
+    from rlft.config import EvalSuite
+    from rlft.eval.suites import prepare_suites
+
+    suite = EvalSuite(name="held", data="verifiers:eval", rewards=[{"fn": "program", "args": {"key": "reward"}}])
+    [prepared] = prepare_suites([suite], policy.tokenizer, 4096, agent=agent)
+    assert len(prepared.examples) == 3
 
 
 def test_rewards_left_out_are_the_rubrics_functions_with_its_weights(envs, tmp_path, qwen_path):
@@ -221,6 +240,8 @@ def test_what_cannot_run_is_refused_at_start_up(envs, policy):
 
     with pytest.raises(ConfigError, match="group reward functions"):
         load(envs / "group_rubric_env.py")
+    with pytest.raises(ConfigError, match=r"several functions named \['<lambda>'\]"):
+        load(envs / "lambdas_env.py")
     with pytest.raises(ConfigError, match="load_environment raised:(.|\n)*the environment's own bug"):
         load(envs / "broken_env.py")
     with pytest.raises(ConfigError, match="cannot take agent.environment_args"):

@@ -75,6 +75,9 @@ def reversed_args(completion, prompt, **row):
 def completion_first(completion, answer, **row):
     return float(completion == answer)
 
+def only_varargs(*args, **kwargs):  # e.g. behind a decorator without functools.wraps
+    return 1.0
+
 async def is_async(prompt, completion, **row):
     return 1.0
 
@@ -254,6 +257,10 @@ def test_functions_that_cannot_be_rewards_are_config_errors(user, name, message)
 def test_args_a_function_cannot_take_are_a_config_error(user):
     with pytest.raises(ConfigError, match=r"args \['scale'\] are not parameters of plain"):
         RewardScorer([RewardSpec(fn=f"{user}:plain", args={"scale": 2})])
+
+
+def test_a_function_taking_only_star_args_is_a_reward(user):
+    assert scorer(user, "only_varargs").score(["p"], ["c"], [{"answer": "c"}]).total == [1.0]
 
 
 def test_a_callable_object_and_a_function_naming_its_fields_work(user):

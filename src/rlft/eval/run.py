@@ -17,6 +17,7 @@ from rlft.eval.generation import EvalResult, evaluate_prompts
 from rlft.eval.parts import EvalParts
 from rlft.eval.suites import prepare_suites, run_suites
 from rlft.models.loading import LoadedModel, is_adapter_export, load_adapter_export, load_policy
+from rlft.monitor.catalogue import logged_only_part
 from rlft.monitor.console import console
 from rlft.rewards.scoring import RewardScorer, build_scorer
 from rlft.rollout.agent import reward_specs
@@ -41,6 +42,9 @@ def evaluate_model(target: str | Path, data: str, rewards: list[RewardSpec], cfg
     section, so its numbers compare with the run's)."""
     model_dir, _ = resolve_model(target)
     rewards = reward_specs(rewards, agent)  # a verifiers environment's: its rubric's
+    problem = logged_only_part(rewards, cfg.correct_component)
+    if problem is not None:
+        raise RlftError(problem)
     scorer = build_scorer(rewards, scoring) if rewards else None
     check_correct_component(cfg, scorer)  # before the model loads and anything is generated
     policy, examples = load_with_prompts(model_dir, data, split=split, max_prompt_length=max_prompt_length,
@@ -60,7 +64,7 @@ def evaluate_suites(target: str | Path, settings: Config, *, device: str = "auto
     policy = load_model_dir(model_dir, device)
     d = settings.data
     suites = prepare_suites(settings.eval.suites, policy.tokenizer, d.max_prompt_length, d.on_invalid,
-                            settings.scoring)
+                            settings.scoring, settings.agent)
     with EvalParts.build(policy, seed=settings.seed, engine=engine, batch_size=settings.eval.batch_size,
                          vllm=settings.rollout.vllm, agent=settings.agent, prompt_sets=[p.examples for p in suites],
                          max_prompt_length=d.max_prompt_length) as parts:

@@ -40,8 +40,9 @@ class PreparedSuite:
 
 
 def prepare_suites(suites: Sequence[EvalSuite], tokenizer: Any, max_prompt_length: int,
-                   on_invalid: str = "error", scoring: Any = None) -> list[PreparedSuite]:
-    """Read and check every suite's rows and build its rewards once, before training starts."""
+                   on_invalid: str = "error", scoring: Any = None, agent: Any = None) -> list[PreparedSuite]:
+    """Read and check every suite's rows and build its rewards once, before training starts
+    (`agent`: the run's agent section, whose verifiers environment `verifiers:eval` reads)."""
 
     names = [s.name for s in suites]
     dupes = sorted({n for n in names if names.count(n) > 1})
@@ -51,7 +52,8 @@ def prepare_suites(suites: Sequence[EvalSuite], tokenizer: Any, max_prompt_lengt
     for i, s in enumerate(suites):
         scorer = build_scorer(s.rewards, scoring, where=f"eval.suites[{i}].rewards") if s.rewards else None
         encode = make_prompt_encoder(tokenizer, max_prompt_length, scorer.required_fields if scorer else ())
-        examples = check_rows(read_rows(s.data, s.split), encode, s.data, f"eval suite '{s.name}'", on_invalid)
+        examples = check_rows(read_rows(s.data, s.split, agent=agent), encode, s.data, f"eval suite '{s.name}'",
+                              on_invalid)
         out.append(PreparedSuite(s, examples, scorer, answer_extractor(s.answer)))
     return out
 

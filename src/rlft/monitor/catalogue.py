@@ -130,11 +130,29 @@ def check_metric_setting(setting: str, name: str | None, config: Any, components
                       f"Metrics it logs: {', '.join(sorted(names))}")
 
 
+def logged_only_part(specs: list[Any], name: str | None) -> str | None:
+    """Why `name` (eval.correct_component) cannot count an answer correct when it names an entry
+    that a program reward only logs (`args.log_others`: a verifiers 0.4 taskset's scores), or None."""
+    head, sep, part = (name or "").partition("/")
+    for spec in specs:
+        if sep and spec.component == head and spec.fn == "program" and (spec.args or {}).get("log_others"):
+            return (f"eval.correct_component={name!r}: {head!r} only logs {part!r} beside its value (args.log_others), "
+                    "so it is no part of a reward to count answers by.\nFix: add it as a component of its own and "
+                    f"name that: rewards: [{{fn: program, name: {head}, args: {{key: {spec.args.get('key')}, "
+                    f"log_others: true}}}}, {{fn: program, name: {part}, weight: 0, args: {{key: {part}}}}}] and "
+                    f"eval.correct_component: {part}")
+    return None
+
+
 def preflight(config: Any) -> None:
     """Settings that are only read late in a run (the evaluation, the best-checkpoint metric,
     early stopping), checked before the first step so a typo costs seconds, not a run."""
-    components = [spec.component for spec in reward_specs(config.rewards, config.agent)]
+    specs = reward_specs(config.rewards, config.agent)
+    components = [spec.component for spec in specs]
     name = config.eval.correct_component
+    problem = logged_only_part(specs, name)
+    if problem is not None:
+        raise ConfigError(problem)
     if name is not None:
         if not components:
             raise ConfigError(f"eval.correct_component={name!r}, but the run has no rewards to score the evaluation "

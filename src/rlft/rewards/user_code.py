@@ -141,7 +141,7 @@ def check_user_function(fn: Callable[..., Any], ref: str, args: dict[str, Any]) 
     if [p.name for p in positional[:2]] == ["completion", "prompt"]:
         raise fail(f"{shown} names its parameters (completion, prompt), but the prompt comes first",
                    f"def {_name(fn)}(prompt, completion, ...)")
-    if positional[0].name in ("completion", "completions", "response"):  # e.g. (completion, answer, **row)
+    if positional and positional[0].name in ("completion", "completions", "response"):  # e.g. (completion, answer, **row)
         rest = ", ".join(p.name for p in positional[1:]) + ", " if len(positional) > 1 else ""
         raise fail(f"{shown} takes the completion first, but rewards are called as fn(prompt, completion, **row): "
                    f"it would get the prompt as {positional[0].name!r}",

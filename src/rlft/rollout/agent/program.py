@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -88,10 +89,17 @@ class ProgramDriver:
         self.max_total_tokens, self.episode_timeout_s = max_total_tokens, episode_timeout_s
         self.endpoint = PolicyEndpoint(tokenizer, parser, tools_block)
         self.encoder = self.endpoint._encoder(None)  # prompts as rendered without tools
+        # one batch at a time: an async run's sampler thread and the loop's evaluation share the driver, and
+        # a batch owns the endpoint's settings, episode names and queue (and a program's batch_context)
+        self._batch = threading.Lock()
 
     def run(self, prompts: Sequence[list[dict[str, Any]]], params: SamplingParams, first_prompt: int = 0,
             rows: Sequence[EpisodeRow] | None = None, engine: Engine | None = None) -> list[Completion]:
-        engine = engine or self.engine
+        with self._batch:
+            return self._run(prompts, params, first_prompt, rows, engine or self.engine)
+
+    def _run(self, prompts: Sequence[list[dict[str, Any]]], params: SamplingParams, first_prompt: int,
+             rows: Sequence[EpisodeRow] | None, engine: Engine) -> list[Completion]:
         engine.generate([], params, first_prompt=first_prompt)  # this batch's call: its named streams continue it
         self.endpoint.params = params
         rows = rows or default_rows(len(prompts), first_prompt)

@@ -468,7 +468,10 @@ def episode_metrics(completions: Sequence[Completion], reduce: Any = None) -> di
     n, calls = c["episodes"], c["tool_calls"]
     if not n:
         return {}
-    errors = {kind: c[f"errors/{kind}"] for kind in EPISODE_ERRORS if kind in ERROR_KINDS or c[f"errors/{kind}"]}
+    # every kind a run can have, zeros included (a detector sums the last steps of each): the program
+    # kinds when its episodes are an agent program's
+    errors = {kind: c[f"errors/{kind}"] for kind in EPISODE_ERRORS
+              if kind in ERROR_KINDS or c[f"errors/{kind}"] or (kind in PROGRAM_ERRORS and c["programs"])}
     out = {"agent/turns_mean": c["turns"] / n,
            "agent/tool_calls_mean": calls / n,
            "agent/tool_error_rate": sum(errors.get(k, 0.0) for k in ERROR_KINDS) / calls if calls else 0.0,

@@ -129,6 +129,12 @@ def _load(ref: str, args: dict[str, Any]) -> Any:
                           "of rollouts together); rlft scores each episode on its own, so use per-rollout "
                           "reward functions")
     names = rubric._get_reward_func_names()
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"agent.environment {ref!r}: its rubric has several functions named {twice} (lambdas, or "
+                          "one function in two rubrics); each is a reward component named after its function, so "
+                          "give them distinct names (def), or write rewards yourself ({fn: program, args: {key: "
+                          "reward}} trains on the rubric's total)")
     if "reward" in names:
         raise ConfigError(f"agent.environment {ref!r}: a rubric function is named 'reward', which names the "
                           "rubric's total; rename it")
@@ -181,10 +187,16 @@ def dataset_records(source: str, agent: Any) -> list[tuple[str, dict[str, Any]]]
     if is_v1():
         return _v1().dataset_records(ref, agent.environment_args, agent.environment_eval_args, split)
     env = load(ref, agent.environment_args)
-    dataset = env.get_dataset() if split == "train" else env.build_eval_dataset()
+    try:  # an environment may build its datasets lazily (a dataset source): its own code runs here
+        dataset = env.build_dataset() if split == "train" else env.build_eval_dataset()
+    except Exception as exc:  # noqa: BLE001  (the environment's own code: named, with its frames)
+        raise DataError(f"data source {source!r}: building the {SPLITS[split]} of environment {ref!r} raised:\n"
+                        + indent(describe_exception(exc))) from None
     if dataset is None:
-        raise DataError(f"data source {source!r}: environment {ref!r} has no {SPLITS[split]}; give data.eval "
-                        "another source, or add an eval_dataset to the environment")
+        other = "data.eval" if split == "eval" else "data.train"
+        raise DataError(f"data source {source!r}: environment {ref!r} has no {SPLITS[split]}; give {other} "
+                        f"another source, or add a{'n eval_dataset' if split == 'eval' else ' dataset'} to the "
+                        "environment")
     return [(f"{ref}[{split}]#{i}", _row(record)) for i, record in enumerate(dataset)]
 
 

@@ -120,7 +120,8 @@ def build_online(config: Config, session: TrainingSession, sample_dtype: torch.d
     prompts = train_rows.examples
     evals = load_prompts(d, policy.tokenizer, d.eval, d.eval_split or d.split, "eval prompt", needs,
                          config.agent) if d.eval else []
-    suites = prepare_suites(config.eval.suites, policy.tokenizer, d.max_prompt_length, d.on_invalid, sc)
+    suites = prepare_suites(config.eval.suites, policy.tokenizer, d.max_prompt_length, d.on_invalid, sc,
+                            config.agent)
     sft_mix = build_sft_mix(config, policy.tokenizer, world)
     correct = config.eval.correct_component or scorer.components[0][0]
     components = [name for name, *_ in scorer.components]
