@@ -222,6 +222,10 @@ def test_a_harness_that_rewrites_history_splits_the_episode_into_exact_sequences
     out, samples = drive(policy, programs, "strips_history")
     assert len(out) == 8  # 2 prompts x 2 samples, 2 sequences each
     assert {c.episode.prefix_breaks for c in out} == {1}
+    # the trainer sees each episode once in its group's baseline: its second sequence points at its first
+    from rlft.training.online.loop import _to_leader
+
+    assert _to_leader(out, torch.device("cpu")).tolist() == [0, -1] * 4
     sampled = {(tuple(p), tuple(ids)) for p, ids in samples}
     for c in out:
         assert c.mask == [1] * len(c.completion_ids)  # each sequence: one call, all of it trained

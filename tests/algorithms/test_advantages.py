@@ -371,3 +371,30 @@ def test_extra_padding_changes_nothing(name):
     torch.testing.assert_close(adv_pad[:, : adv.shape[1]], adv, rtol=1e-12, atol=0)
     assert torch.all(adv_pad[:, adv.shape[1]:] == 0)
     assert m_pad == pytest.approx(m, rel=1e-9)
+
+
+@pytest.mark.parametrize("name", ["group_norm", "group_mean", "rloo"])
+def test_a_split_episode_is_one_member_of_its_group(name):
+    """An agent program's episode trained as 2 sequences (rows 0-1) counts once in its group's
+    baseline: every row gets what the estimator gives its episode over the episodes alone; counted
+    twice, it would move the group's mean (and std) toward its own reward."""
+    from rlft.algorithms import ADVANTAGE_ESTIMATORS, per_episode
+
+    est = ADVANTAGE_ESTIMATORS[name]
+    scores = [1.0, 1.0, 0.0, 0.5, 1.0, 0.0]  # group 0: episodes A (rows 0, 1), B, C; group 1: D, E
+    lengths = [3, 2, 4, 1, 2, 3]
+    rewards = torch.zeros(6, 4)
+    mask = torch.zeros(6, 4, dtype=torch.bool)
+    for i, (s, n) in enumerate(zip(scores, lengths)):
+        mask[i, :n] = True
+        rewards[i, n - 1] = s
+    groups, valid = torch.tensor([0, 0, 0, 0, 1, 1]), torch.ones(6, dtype=torch.bool)
+    leader = torch.tensor([0, 0, 2, 3, 4, 5])
+    adv, metrics = per_episode(est, rewards, mask, groups, valid, leader, std_floor=1e-4)
+    heads = torch.tensor([0, 2, 3, 4, 5])
+    expected, expected_metrics = est(rewards[heads], mask[heads], groups[heads], valid[heads], std_floor=1e-4)
+    per_episode_adv = expected[:, 0]
+    assert torch.equal(adv[heads], expected) and metrics == expected_metrics
+    assert torch.equal(adv[1], torch.where(mask[1], per_episode_adv[0], 0.0))  # A's second sequence: A's value
+    naive, _ = est(rewards, mask, groups, valid, std_floor=1e-4)
+    assert not torch.allclose(naive[2, 0], adv[2, 0])  # B's advantage did move when A counted twice

@@ -4,8 +4,8 @@ Each family is a registry of functions behind one signature, so a trainer picks 
 name from the config and never branches on it.
 """
 
-from rlft.algorithms.advantages import (ADVANTAGE_ESTIMATORS, reverse_kl_advantages, sequence_scores, whiten,
-                                        zero_variance_groups)
+from rlft.algorithms.advantages import (ADVANTAGE_ESTIMATORS, EPISODE_LEVEL, per_episode, reverse_kl_advantages,
+                                        sequence_scores, whiten, zero_variance_groups)
 from rlft.algorithms.aggregation import AGGREGATIONS, aggregate
 from rlft.algorithms.kl import (KL_ESTIMATORS, AdaptiveKLController, FixedKLController, KLController,
                                 ProportionalKLController, make_kl_controller)
@@ -16,6 +16,7 @@ from rlft.algorithms.value import clipped_value_loss, discounted_returns, gae
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGGREGATIONS",
+    "EPISODE_LEVEL",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
     "PREFERENCE_LOSSES",
@@ -29,6 +30,7 @@ __all__ = [
     "discounted_returns",
     "gae",
     "make_kl_controller",
+    "per_episode",
     "reverse_kl_advantages",
     "sequence_scores",
     "whiten",

@@ -16,7 +16,7 @@ Rules shared by all estimators:
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -202,6 +202,35 @@ def gae(token_rewards: Tensor, completion_mask: Tensor, group_ids: Tensor, valid
     g = _Groups(scores, group_ids, valid)
     adv, _ = _gae(rewards, values.to(rewards.dtype), token_mask, gamma, lam)
     return adv.to(token_rewards.dtype), _metrics(adv, token_mask, g)
+
+
+# the estimators whose advantage is one number per sample from its group's scores: `per_episode` applies
+EPISODE_LEVEL = ("group_norm", "group_mean", "rloo")
+
+
+def per_episode(estimator: AdvantageFn, token_rewards: Tensor, completion_mask: Tensor, group_ids: Tensor,
+                valid: Tensor, leader: Tensor, **kwargs: Any) -> tuple[Tensor, dict[str, float]]:
+    """A group estimator (EPISODE_LEVEL) over episodes instead of rows, when an episode was trained
+    as several sequences (an agent program that re-rendered its history): `leader[i]` is the row of
+    the first sequence of row i's episode (i itself for an episode of one row). The estimator sees
+    each episode once, at its leader, so a split episode weighs in its group's mean and std as one
+    member; every row of the episode gets its leader's advantage over its own valid tokens.
+
+    >>> r = torch.tensor([[1.0], [1.0], [0.0], [0.5]]); m = torch.ones(4, 1, dtype=torch.bool)
+    >>> g, v, lead = torch.zeros(4, dtype=torch.long), torch.ones(4, dtype=torch.bool), torch.tensor([0, 0, 2, 3])
+    >>> per_episode(group_mean, r, m, g, v, lead)[0].squeeze(1).tolist()
+    [0.5, 0.5, -0.5, 0.0]
+    """
+    n = leader.shape[0]
+    heads = torch.nonzero(leader == torch.arange(n, device=leader.device)).squeeze(1)
+    adv, metrics = estimator(token_rewards[heads], completion_mask[heads], group_ids[heads], valid[heads], **kwargs)
+    mask = completion_mask.bool()[heads] & valid.bool()[heads][:, None]
+    per_head = (adv.to(torch.float64) * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [E]: constant over tokens
+    slot = torch.full((n,), -1, dtype=torch.long, device=leader.device)
+    slot[heads] = torch.arange(heads.shape[0], device=leader.device)
+    per_row = per_head[slot[leader]]  # [N]
+    token_mask = completion_mask.bool() & valid.bool()[:, None]
+    return torch.where(token_mask, per_row[:, None], 0.0).to(token_rewards.dtype), metrics
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {

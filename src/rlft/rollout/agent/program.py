@@ -12,7 +12,7 @@ whose rendered prompt extends the previous call's prompt and sampled ids continu
 (what lies between is inserted, loss-masked); a call that does not (the program re-rendered the
 history: dropped reasoning, reformatted a tool call, cut old turns) starts a new sequence, each one
 exact, and `agent/prefix_breaks` counts it. A split episode's sequences share its reward and its
-group.
+group, and count once in the group's baseline (algorithms.per_episode).
 
 A program that raises, outlives `agent.episode_timeout_s`, or never calls the model ends its
 episode with nothing to train and reward 0; `agent/errors/program_*` counts each kind (as failed

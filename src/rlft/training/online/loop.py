@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from rich.markup import escape
 
-from rlft.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, make_kl_controller, reverse_kl_advantages
+from rlft.algorithms import (ADVANTAGE_ESTIMATORS, EPISODE_LEVEL, KL_ESTIMATORS, make_kl_controller, per_episode,
+                             reverse_kl_advantages)
 from rlft.config import Config, DataConfig
 from rlft.data.mixing import TrainRows, read_train_rows
 from rlft.data.order import PromptSampler
@@ -328,15 +329,22 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
         global_sequences = None
     else:
         global_rows, (first, stop) = gather_rows(world, rewards_tok, batch.completion_mask, batch.group_ids, valid,
+                                                 _to_leader(rollout.completions, device),
                                                  *(() if values is None else (values,)))
-        rewards_g, mask_g, groups_g, valid_g = global_rows[:4]
+        rewards_g, mask_g, groups_g, valid_g, to_leader_g = global_rows[:5]
         global_sequences = int(mask_g.shape[0])
-        if critic is None:
-            advantages_g, adv_metrics = ADVANTAGE_ESTIMATORS[s.advantage](
+        estimator = ADVANTAGE_ESTIMATORS[s.advantage]
+        if critic is None and s.advantage in EPISODE_LEVEL and penalty is None and bool(to_leader_g.any()):
+            # an agent program's episode trained as several sequences is one member of its group
+            leader = torch.arange(global_sequences, device=device) + to_leader_g
+            advantages_g, adv_metrics = per_episode(estimator, rewards_g, mask_g.bool(), groups_g, valid_g.bool(),
+                                                    leader, std_floor=s.std_floor, gamma=s.gamma, lam=s.lam)
+        elif critic is None:
+            advantages_g, adv_metrics = estimator(
                 rewards_g, mask_g.bool(), groups_g, valid_g.bool(), std_floor=s.std_floor, gamma=s.gamma, lam=s.lam)
         else:
             advantages_g, adv_metrics = critic.targets.gae_advantages(
-                global_rows[4], mask_g.bool(), groups_g, rewards_g, valid_g.bool(), (first, stop))
+                global_rows[5], mask_g.bool(), groups_g, rewards_g, valid_g.bool(), (first, stop))
         advantages = advantages_g[first:stop, : batch.completion_len]
     metrics.update(adv_metrics)
 
@@ -359,6 +367,15 @@ def online_step(session: TrainingSession, rollout: Rollout, reference: Reference
                       else int(world.sum([batch.completion_mask.shape[0]])[0]))
     metrics["time/train"] = time.perf_counter() - start
     return metrics
+
+
+def _to_leader(completions: list[Any], device: torch.device) -> torch.Tensor:
+    """[N] long: for each row, how far back the first row of its episode is (0 unless an agent
+    program's episode was split into several sequences, which share their Episode record; they are
+    adjacent in one rank's rows, so the offset holds in the gathered batch too)."""
+    first: dict[int, int] = {}
+    out = [first.setdefault(id(c.episode), i) - i if c.episode is not None else 0 for i, c in enumerate(completions)]
+    return torch.tensor(out, dtype=torch.long, device=device)
 
 
 def by_staleness(metrics: dict[str, float]) -> dict[str, float]:
