@@ -177,6 +177,16 @@ class EpisodeEnv:
         return EnvStep(observation, float(reward), bool(done))
 
 
+def hub_module_name(target: str) -> str:
+    """The module an environment id names, by the Environments Hub's rule (verifiers'): a hub id
+    `owner/name@version` is the installed `name`, dashes as underscores.
+
+    >>> hub_module_name("primeintellect/vf-math@0.1.2")
+    'vf_math'
+    """
+    return target.replace("-", "_").split("/")[-1].split("@")[0]
+
+
 def load_environment(ref: str, args: dict[str, Any], run_seed: int,
                      max_prompt_tokens: int | None = None) -> EnvironmentSource:
     """`module:Class`, `file.py:Class`, `gem:<env id>` or `openenv:<URL | module:Class | module:app>`,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import importlib
 import logging
 import random
 from typing import Any, Callable, Iterator
@@ -41,14 +42,18 @@ def root_logging_kept() -> Iterator[None]:
         root.setLevel(level)
 
 
-def import_gem() -> Any:
-    """gem, imported once, the root logger kept."""
+def import_quietly(name: str, install_hint: str) -> Any:
+    """The optional package `name`, the root logger kept (`root_logging_kept`); a ConfigError with
+    `install_hint` when it is not installed."""
     with root_logging_kept():
         try:
-            import gem
+            return importlib.import_module(name)
         except ImportError:
-            raise ConfigError(INSTALL_HINT) from None
-    return gem
+            raise ConfigError(install_hint) from None
+
+
+def import_gem() -> Any:
+    return import_quietly("gem", INSTALL_HINT)
 
 
 def gem_factory(env_id: str, args: dict[str, Any]) -> Callable[[int], "GemEnvironment"]:

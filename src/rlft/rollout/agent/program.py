@@ -168,8 +168,10 @@ class ProgramDriver:
         self.endpoint.close()
 
 
-def program_driver(cfg: Any, engine: Engine, tokenizer: Any, parser: Parser) -> ProgramDriver:
-    driver = ProgramDriver(engine, tokenizer, load_program(cfg.program), parser, cfg.max_total_tokens,
+def program_driver(cfg: Any, engine: Engine, tokenizer: Any, parser: Parser,
+                   program: Callable[..., Any] | None = None) -> ProgramDriver:
+    """The driver of `agent.program` (or of `program`, an environment's episode program)."""
+    driver = ProgramDriver(engine, tokenizer, program or load_program(cfg.program), parser, cfg.max_total_tokens,
                            cfg.episode_timeout_s, cfg.tools_prompt)
     log.info("agent endpoint on 127.0.0.1:%d", driver.endpoint.port)
     return driver

@@ -28,6 +28,7 @@ left out is logged once.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import logging
@@ -39,7 +40,8 @@ from rlft import paths
 from rlft.config import RewardSpec
 from rlft.errors import ConfigError, DataError
 from rlft.rewards.user_code import describe_exception, indent, load_user_function
-from rlft.rollout.agent.gem_env import root_logging_kept
+from rlft.rollout.agent.environments import hub_module_name
+from rlft.rollout.agent.gem_env import import_quietly, root_logging_kept
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +60,10 @@ def is_verifiers(ref: str | None) -> bool:
 
 def import_verifiers() -> Any:
     """verifiers, its logging set-up undone (it adds handlers)."""
-    with root_logging_kept():
-        try:
-            import verifiers as vf
-        except ImportError:
-            raise ConfigError(INSTALL_HINT) from None
-    return vf
+    return import_quietly("verifiers", INSTALL_HINT)
 
 
+@functools.cache
 def is_v1() -> bool:
     """Whether the installed verifiers is 0.4's v1 stack (tasksets) rather than the classic
     environments (0.1 to 0.3): each has its half of the adapter."""
@@ -92,12 +90,13 @@ def _v1() -> Any:
 
 
 def load(ref: str, args: dict[str, Any]) -> Any:
-    """The environment `verifiers:NAME` with `args`, loaded once and checked."""
+    """The environment `verifiers:NAME` with `args` (a 0.4 taskset's env with verifiers 0.4),
+    loaded once and checked."""
     if ref.endswith(".py"):  # one environment however its path was written
         ref = PREFIX + paths.existing(ref[len(PREFIX):])
     key = json.dumps([ref, args], sort_keys=True, default=str)
     if key not in _loaded:
-        _loaded[key] = _load(ref, args)
+        _loaded[key] = (_v1().load if is_v1() else _load)(ref, args)
     return _loaded[key]
 
 
@@ -105,7 +104,7 @@ def _load(ref: str, args: dict[str, Any]) -> Any:
     vf = import_verifiers()
     target = ref[len(PREFIX):]
     if not target.endswith(".py"):
-        target = target.replace("-", "_").split("/")[-1].split("@")[0]  # verifiers' own env id -> module rule
+        target = hub_module_name(target)
     fn = load_user_function(f"{target}:load_environment", what=f"agent.environment {ref!r}")
     try:
         inspect.signature(fn).bind(**args)
@@ -184,8 +183,14 @@ def dataset_records(source: str, agent: Any) -> list[tuple[str, dict[str, Any]]]
                         "config's agent section names none; set agent.environment (with rlft eval: evaluate the "
                         "run directory, whose config names it)")
     ref = agent.environment
-    if is_v1():
-        return _v1().dataset_records(ref, agent.environment_args, agent.environment_eval_args, split)
+    if is_v1():  # a taskset: no split of its own, its config (environment_eval_args) makes the held-out tasks
+        if split == "eval" and not agent.environment_eval_args:
+            raise DataError(f"data source verifiers:eval: {ref!r} is a verifiers {import_verifiers().__version__} "
+                            "taskset, which has no eval split; set agent.environment_eval_args to the taskset "
+                            "config that makes its held-out tasks (e.g. {split: test}), or give data.eval another "
+                            "source")
+        args = {**agent.environment_args, **(agent.environment_eval_args if split == "eval" else {})}
+        return _v1().task_records(ref, split, load(ref, args))
     env = load(ref, agent.environment_args)
     try:  # an environment may build its datasets lazily (a dataset source): its own code runs here
         dataset = env.build_dataset() if split == "train" else env.build_eval_dataset()
@@ -209,11 +214,10 @@ def _row(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def program(ref: str, args: dict[str, Any]) -> Callable[..., Any]:
-    """The episode program of the environment: its rollout on the endpoint's client, its rubric's
-    scores returned as {function: score, ..., "reward": total}."""
+def program(ref: str, env: Any) -> Callable[..., Any]:
+    """The episode program of the environment `ref`: its rollout on the endpoint's client, its
+    rubric's scores returned as {function: score, ..., "reward": total}."""
     vf = import_verifiers()
-    env = load(ref, args)
     sampling = {k: v for k, v in (env.sampling_args or {}).items() if k in _SENT_SAMPLING_ARGS and v is not None}
     dropped = sorted(k for k, v in (env.sampling_args or {}).items()
                      if k not in _SENT_SAMPLING_ARGS and k != "n" and v not in (None, {}, 1))
@@ -234,8 +238,8 @@ def program(ref: str, args: dict[str, Any]) -> Callable[..., Any]:
 
 def verifiers_driver(cfg: Any, engine: Any, tokenizer: Any, parser: Any) -> Any:
     """An agent-program driver whose program is the environment's rollout and rubric."""
-    from rlft.rollout.agent.program import ProgramDriver  # lazy: FastAPI and uvicorn (the openai extra)
+    from rlft.rollout.agent.program import program_driver  # lazy: FastAPI and uvicorn (the openai extra)
 
-    run = (_v1().program if is_v1() else program)(cfg.environment, cfg.environment_args)
-    return ProgramDriver(engine, tokenizer, run, parser, cfg.max_total_tokens, cfg.episode_timeout_s,
-                         cfg.tools_prompt)
+    env = load(cfg.environment, cfg.environment_args)
+    run = _v1().program(env) if is_v1() else program(cfg.environment, env)
+    return program_driver(cfg, engine, tokenizer, parser, run)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import os
 import sys
 from pathlib import Path
@@ -36,14 +35,14 @@ from pydantic import ValidationError
 
 from rlft import paths
 from rlft.config import RewardSpec
-from rlft.errors import ConfigError, DataError
+from rlft.errors import ConfigError
 from rlft.rewards.user_code import describe_exception, indent
+from rlft.rollout.agent.environments import hub_module_name
 
 MODEL_NAME = "rlft-policy"
 KEY_VAR = "RLFT_VERIFIERS_ENDPOINT_KEY"  # v1 reads a client's key from an environment variable it names
 TASK_FIELD = "vf_task"  # a row's task data, as the taskset made it
 
-_loaded: dict[str, Any] = {}  # (name, args) as JSON -> the env (a cache: loading runs user code)
 
 
 class RlftChatHarnessConfig(vf.HarnessConfig):
@@ -84,7 +83,7 @@ def _module_id(ref: str) -> str:
     `name`, dashes as underscores), or a `.py` file imported here under a name of its own."""
     target = ref.split(":", 1)[1]
     if not target.endswith(".py"):
-        return target.replace("-", "_").split("/")[-1].split("@")[0]
+        return hub_module_name(target)
     path = Path(paths.existing(target))
     # v1 imports a taskset by its lower-cased id; one module per file, however the path was written
     name = f"rlft_verifiers_{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:8]}".lower()
@@ -102,16 +101,10 @@ def _module_id(ref: str) -> str:
 
 
 def load(ref: str, args: dict[str, Any]) -> Any:
-    """The v1 env of taskset `ref` configured with `args`, with rlft's harness; loaded once."""
-    key = json.dumps([ref, args], sort_keys=True, default=str)
-    if key not in _loaded:
-        _loaded[key] = _load(ref, args)
-    return _loaded[key]
-
-
-def _load(ref: str, args: dict[str, Any]) -> Any:
+    """The v1 env of taskset `ref` configured with `args`, with rlft's harness (verifiers_env.load
+    caches it)."""
     module = _module_id(ref)
-    where = f"agent.environment {ref!r} (verifiers {vf_version()} taskset)"
+    where = f"agent.environment {ref!r} (verifiers {sys.modules['verifiers'].__version__} taskset)"
     try:
         config = vf.resolve_env_config({"taskset": {"id": module, **args},
                                         "agent": {"harness": {"id": HARNESS_ID}, "runtime": {"type": "subprocess"}}})
@@ -132,25 +125,13 @@ def _load(ref: str, args: dict[str, Any]) -> Any:
     return env
 
 
-def vf_version() -> str:
-    return getattr(sys.modules.get("verifiers"), "__version__", "0.4")
-
-
 def rubric_spec() -> RewardSpec:
     """`rewards` left out: the trace's weighted total, its scores logged beside it."""
     return RewardSpec(fn="program", name="rubric", args={"key": "reward", "log_others": True})
 
 
-def dataset_records(ref: str, args: dict[str, Any], eval_args: dict[str, Any] | None,
-                    split: str) -> list[tuple[str, dict[str, Any]]]:
-    """(where, prompt row) for every task of the taskset (`eval`: built with `eval_args` over `args`)."""
-    if split == "eval":
-        if not eval_args:
-            raise DataError(f"data source verifiers:eval: {ref!r} is a verifiers {vf_version()} taskset, which has "
-                            "no eval split; set agent.environment_eval_args to the taskset config that makes its "
-                            "held-out tasks (e.g. {split: test}), or give data.eval another source")
-        args = {**args, **eval_args}
-    env = load(ref, args)
+def task_records(ref: str, split: str, env: Any) -> list[tuple[str, dict[str, Any]]]:
+    """(where, prompt row) for every task of the env's taskset (built for `split` by the caller)."""
     rows = []
     for i, task in enumerate(env.taskset):
         data = task.data.model_dump(mode="json", exclude_none=True, exclude_defaults=True)
@@ -167,9 +148,8 @@ def _messages(data: dict[str, Any]) -> list[dict[str, Any]]:
     return out + [{k: v for k, v in m.items() if v is not None} for m in prompt or []]
 
 
-def program(ref: str, args: dict[str, Any]) -> Callable[..., Any]:
+def program(env: Any) -> Callable[..., Any]:
     """The episode program: the task rebuilt from its row, run by v1 on the endpoint's client."""
-    env = load(ref, args)
     task_cls = type(env.taskset).task_type()
     data_cls = task_cls.data_type()
 
